@@ -1,0 +1,92 @@
+"""kvblocks: the KV-cache management layer an LLM inference engine imports.
+
+It owns which KV blocks exist, who holds them and which prefixes they cache. The
+core (this package's top level) is pure Python plus numpy and xxhash; torch is
+imported only by :mod:`kvblocks.backends`, when a backend is used.
+
+>>> import kvblocks
+>>> m = kvblocks.KVCacheManager(num_blocks=64, block_size=16)
+>>> m.add_sequence("req-1", list(range(40)))
+>>> m.allocate("req-1", 40) is not None
+True
+"""
+
+from kvblocks.accounting import CachedTokens, CacheStats, HitCounters
+from kvblocks.config import CacheConfig
+from kvblocks.errors import (
+    AccountingError,
+    CommitOutOfRangeError,
+    ConfigError,
+    DoubleFreeError,
+    DuplicateSequenceError,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidBlockHashError,
+    InvalidBlockIdError,
+    InvalidTokenError,
+    KVBlocksError,
+    SequenceStateError,
+    UnknownSequenceError,
+)
+from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, EventRecord, EventSink, KVEvent
+from kvblocks.hashing import (
+    BlockExtras,
+    BlockHash,
+    BlockHasher,
+    HashedTokens,
+    MultimodalItem,
+    Namespace,
+    block_hashes,
+    blocks_overlapping,
+)
+from kvblocks.manager import BlockTable, KVCacheManager
+from kvblocks.pool import BlockPool
+from kvblocks.radix import PrefixMatch, PrefixTree
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    # manager
+    "KVCacheManager",
+    "CacheConfig",
+    "BlockTable",
+    # accounting
+    "CachedTokens",
+    "CacheStats",
+    "HitCounters",
+    # identity
+    "block_hashes",
+    "blocks_overlapping",
+    "BlockHash",
+    "BlockHasher",
+    "HashedTokens",
+    "BlockExtras",
+    "MultimodalItem",
+    "Namespace",
+    # structures
+    "BlockPool",
+    "PrefixTree",
+    "PrefixMatch",
+    # events
+    "EventSink",
+    "EventRecord",
+    "KVEvent",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+    # errors
+    "KVBlocksError",
+    "ConfigError",
+    "InvalidTokenError",
+    "InvalidBlockHashError",
+    "InvalidArgumentError",
+    "UnknownSequenceError",
+    "DuplicateSequenceError",
+    "DoubleFreeError",
+    "SequenceStateError",
+    "CommitOutOfRangeError",
+    "InvalidBlockIdError",
+    "AccountingError",
+    "IntegrityError",
+]

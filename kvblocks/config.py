@@ -1,0 +1,44 @@
+"""Configuration of a :class:`kvblocks.KVCacheManager`, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvblocks.errors import ConfigError
+from kvblocks.hashing import DEFAULT_SCHEME, HASH_SCHEMES, Namespace
+
+__all__ = ["CacheConfig"]
+
+
+def _positive_int(value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{what} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What a manager needs to know, checked once here rather than deep inside.
+
+    >>> CacheConfig(num_blocks=1024, block_size=16).namespace
+    Namespace(model='default', salt=None)
+    >>> CacheConfig(num_blocks=0, block_size=16)
+    Traceback (most recent call last):
+    ...
+    kvblocks.errors.ConfigError: num_blocks must be a positive int, got 0
+    """
+
+    num_blocks: int
+    block_size: int
+    hash_scheme: str = DEFAULT_SCHEME
+    namespace: Namespace | str = "default"
+    enable_prefix_caching: bool = True
+    """When False, nothing is ever cached or matched: every request computes its whole prompt."""
+
+    def __post_init__(self) -> None:
+        _positive_int(self.num_blocks, "num_blocks")
+        _positive_int(self.block_size, "block_size")
+        if not isinstance(self.hash_scheme, str) or self.hash_scheme not in HASH_SCHEMES:
+            raise ConfigError(f"unknown hash scheme {self.hash_scheme!r}; known: {', '.join(sorted(HASH_SCHEMES))}")
+        object.__setattr__(self, "namespace", Namespace.of(self.namespace))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")

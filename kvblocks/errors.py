@@ -1,0 +1,88 @@
+"""Exceptions raised by kvblocks.
+
+Every error a caller can provoke has its own class, so an engine can react to the
+one it expects and let the others surface. Each also derives from the built-in
+exception a Python programmer would reach for (``ValueError``, ``LookupError``,
+``RuntimeError``), so generic handlers keep working.
+
+Whenever one of these is raised by a public call, the structure that raised it is
+unchanged: the check happens before the first mutation.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KVBlocksError",
+    "ConfigError",
+    "InvalidTokenError",
+    "InvalidBlockHashError",
+    "InvalidArgumentError",
+    "UnknownSequenceError",
+    "DuplicateSequenceError",
+    "DoubleFreeError",
+    "SequenceStateError",
+    "CommitOutOfRangeError",
+    "InvalidBlockIdError",
+    "AccountingError",
+    "IntegrityError",
+]
+
+
+class KVBlocksError(Exception):
+    """Base class of every exception raised on purpose by kvblocks."""
+
+
+class ConfigError(KVBlocksError, ValueError):
+    """A configuration value is invalid (non-positive size, unknown hash scheme, ...)."""
+
+
+class InvalidTokenError(KVBlocksError, ValueError):
+    """Token ids are not non-negative integers below 2**32, or the prompt is empty."""
+
+
+class InvalidBlockHashError(KVBlocksError, ValueError):
+    """Precomputed block hashes are not ints >= 0 or non-empty bytes, or do not fit the token count."""
+
+
+class InvalidArgumentError(KVBlocksError, ValueError):
+    """A numeric argument is out of its domain (for example a negative token count)."""
+
+
+class UnknownSequenceError(KVBlocksError, LookupError):
+    """The sequence id was never registered (or was freed long ago)."""
+
+    def __init__(self, seq_id: object, detail: str = "") -> None:
+        self.seq_id = seq_id
+        message = f"unknown sequence {seq_id!r}"
+        super().__init__(f"{message}: {detail}" if detail else message)
+
+    def __str__(self) -> str:  # LookupError would otherwise repr() the message
+        return str(self.args[0])
+
+
+class DuplicateSequenceError(KVBlocksError, ValueError):
+    """``add_sequence`` was called with an id that is already registered."""
+
+
+class DoubleFreeError(KVBlocksError, RuntimeError):
+    """A sequence was freed twice, or a block was released more often than it was taken."""
+
+
+class SequenceStateError(KVBlocksError, RuntimeError):
+    """The call does not fit the sequence's state (e.g. commit before allocate)."""
+
+
+class CommitOutOfRangeError(KVBlocksError, ValueError):
+    """``commit`` named a token count below the previous commit or beyond what is allocated/known."""
+
+
+class InvalidBlockIdError(KVBlocksError, ValueError):
+    """A block id is outside ``0..num_blocks-1`` or not in the state the call needs."""
+
+
+class AccountingError(KVBlocksError, ValueError):
+    """A cached-token breakdown is negative or exceeds the prompt length."""
+
+
+class IntegrityError(KVBlocksError, RuntimeError):
+    """``check_integrity`` found a broken invariant. This is always a kvblocks bug."""

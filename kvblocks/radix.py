@@ -1,0 +1,295 @@
+"""PrefixTree: which cached block holds which prefix, and which block to evict next.
+
+One node per cached full block, keyed by its chained hash. Because a hash names a
+whole prefix, a node's parent is simply the node of the previous hash::
+
+    hashes of a sequence   h0 ── h1 ── h2 ── h3
+    nodes (block ids)      [5] ─ [9] ─ [2]            h3 not cached
+    match(h0..h3)      ->  blocks (5, 9, 2): a 3-block prefix
+
+Invariants (checked by :meth:`check_integrity`):
+
+* every node's parent is a node (a cached suffix never outlives its prefix);
+* eviction removes leaves only, least recently released first.
+
+Eviction order comes from the pool's idle LRU (blocks in the order their last
+holder released them). The manager releases a sequence's blocks tail first and a
+holder of a node always holds its ancestors, so an idle parent is always released
+after its idle children: the oldest idle block is a leaf and eviction is O(1).
+When the tree is driven otherwise and the oldest idle block has cached children,
+eviction skips ahead to the oldest idle *leaf* -- still exact LRU among leaves,
+just not O(1) in that case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvblocks.errors import IntegrityError, InvalidArgumentError, InvalidBlockHashError, InvalidBlockIdError, SequenceStateError
+from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink
+from kvblocks.hashing import BlockHash
+from kvblocks.pool import BlockPool
+
+__all__ = ["PrefixMatch", "PrefixTree"]
+
+_ROOT = -1
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The longest cached prefix of a hash chain: its blocks and their hashes, in order."""
+
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+class PrefixTree:
+    """The content index of one tier: chained block hash -> block id, with leaf-only LRU eviction.
+
+    >>> pool = BlockPool(4)
+    >>> tree = PrefixTree(pool)
+    >>> blocks = pool.take_fresh(2)
+    >>> tree.insert([b"h0", b"h1"], blocks)       # nothing was cached before
+    []
+    >>> tree.match([b"h0", b"h1", b"h2"]).block_ids
+    (0, 1)
+    >>> pool.release(blocks[::-1])                # tail first
+    >>> tree.evict(1)                             # the leaf goes first
+    [1]
+    """
+
+    __slots__ = ("pool", "tier", "_block_of", "_hash_of", "_parent_of", "_num_children", "_events", "num_evicted")
+
+    def __init__(self, pool: BlockPool, *, tier: str = "device", events: EventSink | None = None) -> None:
+        self.pool = pool
+        self.tier = tier
+        self._block_of: dict[BlockHash, int] = {}
+        self._hash_of: list[BlockHash | None] = [None] * pool.num_blocks
+        self._parent_of: list[int] = [_ROOT] * pool.num_blocks
+        self._num_children: list[int] = [0] * pool.num_blocks
+        self._events = events
+        self.num_evicted = 0
+        """Blocks evicted since construction (a counter, never reset)."""
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return len(self._block_of)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._block_of
+
+    def block_of(self, block_hash: BlockHash) -> int | None:
+        return self._block_of.get(block_hash)
+
+    def hash_of(self, block: int) -> BlockHash | None:
+        return self._hash_of[block]
+
+    def parent_of(self, block: int) -> int | None:
+        """The block holding the previous hash of ``block``'s chain (None for a chain's first block)."""
+        p = self._parent_of[block]
+        return None if p == _ROOT else p
+
+    def num_children(self, block: int) -> int:
+        return self._num_children[block]
+
+    def match_length(self, hashes: Sequence[BlockHash], limit: int | None = None) -> int:
+        """How many leading ``hashes`` (at most ``limit``) are cached. Pure."""
+        block_of = self._block_of
+        stop = len(hashes) if limit is None else min(limit, len(hashes))
+        n = 0
+        while n < stop and hashes[n] in block_of:
+            n += 1
+        return n
+
+    def matched_blocks(self, hashes: Sequence[BlockHash], limit: int | None = None) -> list[int]:
+        """Block ids of the longest cached prefix of ``hashes`` (at most ``limit`` blocks). Pure."""
+        get = self._block_of.get
+        stop = len(hashes) if limit is None else min(limit, len(hashes))
+        out: list[int] = []
+        append = out.append
+        for i in range(stop):
+            b = get(hashes[i])
+            if b is None:
+                break
+            append(b)
+        return out
+
+    def match(self, hashes: Sequence[BlockHash], limit: int | None = None) -> PrefixMatch:
+        """The longest cached prefix of ``hashes`` as an immutable result. Pure: nothing is touched."""
+        blocks = self.matched_blocks(hashes, limit)
+        return PrefixMatch(tuple(blocks), tuple(hashes[: len(blocks)]))
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(
+        self, hashes: Sequence[BlockHash], blocks: Sequence[int], start: int = 0, stop: int | None = None
+    ) -> list[int]:
+        """Make ``blocks[start:stop]`` findable under ``hashes[start:stop]``; return what was already cached.
+
+        ``hashes`` is one chain (``hashes[i]`` extends ``hashes[i-1]``), so the hashes
+        already cached form a leading run. The return value lists the cached block of
+        each position in that run -- usually empty. A caller whose own block differs
+        from the returned one computed a duplicate: its block stays private and the
+        tree keeps the first. The new blocks must be in use (their KV was just written)
+        and the parent ``hashes[start-1]`` must be cached. Emits one ``BlockStored``.
+        """
+        stop = len(hashes) if stop is None else stop
+        if not 0 <= start <= stop <= min(len(hashes), len(blocks)):
+            raise InvalidArgumentError(
+                f"insert range [{start}, {stop}) does not fit {len(hashes)} hashes and {len(blocks)} blocks"
+            )
+        block_of = self._block_of
+        parent = _ROOT
+        if start > 0:
+            parent_block = block_of.get(hashes[start - 1])
+            if parent_block is None:
+                raise InvalidBlockHashError(
+                    f"cannot insert at position {start}: the parent hash {hashes[start - 1]!r} is not cached"
+                )
+            parent = parent_block
+        # Validate everything before the first change.
+        first_new = start
+        while first_new < stop and hashes[first_new] in block_of:
+            first_new += 1
+        existing = [block_of[hashes[i]] for i in range(start, first_new)]
+        self._check_new_nodes(hashes, blocks, first_new, stop)
+        if first_new == stop:
+            return existing
+        if first_new > start:
+            parent = existing[-1]
+        hash_of = self._hash_of
+        parent_of = self._parent_of
+        num_children = self._num_children
+        mark_cached = self.pool.mark_cached
+        for i in range(first_new, stop):
+            h = hashes[i]
+            b = blocks[i]
+            block_of[h] = b
+            hash_of[b] = h
+            parent_of[b] = parent
+            if parent != _ROOT:
+                num_children[parent] += 1
+            mark_cached(b)
+            parent = b
+        if self._events is not None:
+            parent_hash = hashes[first_new - 1] if first_new > 0 else None
+            self._events.emit(BlockStored(tuple(hashes[first_new:stop]), parent_hash, self.tier))
+        return existing
+
+    def _check_new_nodes(self, hashes: Sequence[BlockHash], blocks: Sequence[int], first: int, stop: int) -> None:
+        block_of = self._block_of
+        hash_of = self._hash_of
+        pool = self.pool
+        for i in range(first, stop):
+            if hashes[i] in block_of:
+                raise InvalidBlockHashError(
+                    f"hash at position {i} is cached but position {first} is not: the hashes are not one chain"
+                )
+            b = blocks[i]
+            if not (type(b) is int and 0 <= b < pool.num_blocks):
+                raise InvalidBlockIdError(f"block id {b!r} is not an int in 0..{pool.num_blocks - 1}")
+            if hash_of[b] is not None:
+                raise InvalidBlockIdError(f"block {b} already caches hash {hash_of[b]!r}")
+            if pool.ref_count(b) == 0:
+                raise InvalidBlockIdError(f"block {b} is not in use; only a held block can be inserted")
+        if stop - first > 1 and len(set(blocks[first:stop])) != stop - first:
+            raise InvalidBlockIdError("the same block id appears twice in one insert")
+        if stop - first > 1 and len(set(hashes[first:stop])) != stop - first:
+            raise InvalidBlockHashError("the same hash appears twice in one chain")
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict(self, count: int) -> list[int]:
+        """Evict up to ``count`` idle leaves, least recently released first; return their ids.
+
+        The returned blocks are FRESH in the pool (at the back of its fresh queue).
+        Fewer than ``count`` come back only when no idle block is left. Emits one
+        ``BlockRemoved`` for the batch.
+        """
+        if count < 0:
+            raise InvalidArgumentError(f"cannot evict {count} blocks")
+        pool = self.pool
+        lru = pool.idle_lru()
+        block_of = self._block_of
+        hash_of = self._hash_of
+        parent_of = self._parent_of
+        num_children = self._num_children
+        evicted: list[int] = []
+        removed: list[BlockHash] = []
+        while len(evicted) < count and lru:
+            b = next(iter(lru))
+            if num_children[b]:
+                b = self._oldest_idle_leaf()
+            h = hash_of[b]
+            del block_of[h]  # type: ignore[arg-type]
+            hash_of[b] = None
+            p = parent_of[b]
+            if p != _ROOT:
+                num_children[p] -= 1
+                parent_of[b] = _ROOT
+            pool.evict(b)
+            evicted.append(b)
+            removed.append(h)  # type: ignore[arg-type]
+        self.num_evicted += len(evicted)
+        if evicted and self._events is not None:
+            self._events.emit(BlockRemoved(tuple(removed), self.tier))
+        return evicted
+
+    def _oldest_idle_leaf(self) -> int:
+        num_children = self._num_children
+        for b in self.pool.idle_lru():
+            if not num_children[b]:
+                return b
+        raise IntegrityError("idle blocks exist but none is a leaf: an idle block has a cached child in use")
+
+    def clear(self) -> list[int]:
+        """Drop every cached block; all must be idle. Returns the dropped ids. Emits ``AllBlocksCleared``."""
+        in_use = len(self._block_of) - self.pool.num_idle
+        if in_use:
+            raise SequenceStateError(f"cannot clear the {self.tier} cache: {in_use} cached blocks are in use")
+        pool = self.pool
+        dropped = list(pool.idle_lru())
+        for b in dropped:
+            self._hash_of[b] = None
+            self._parent_of[b] = _ROOT
+            self._num_children[b] = 0
+            pool.evict(b)
+        self._block_of.clear()
+        self.num_evicted += len(dropped)
+        if self._events is not None:
+            self._events.emit(AllBlocksCleared(self.tier))
+        return dropped
+
+    # ------------------------------------------------------------------ checks
+
+    def check_integrity(self) -> None:
+        """Raise :class:`IntegrityError` unless the index, the shape and the pool agree."""
+        pool = self.pool
+        children = [0] * pool.num_blocks
+        for h, b in self._block_of.items():
+            if self._hash_of[b] != h:
+                raise IntegrityError(f"hash {h!r} maps to block {b}, which records hash {self._hash_of[b]!r}")
+            if not pool.is_cached(b):
+                raise IntegrityError(f"block {b} is a node but the pool does not mark it cached")
+            p = self._parent_of[b]
+            if p != _ROOT:
+                if self._hash_of[p] is None:
+                    raise IntegrityError(f"block {b}'s parent {p} is not cached")
+                children[p] += 1
+        for b in range(pool.num_blocks):
+            h = self._hash_of[b]
+            if h is None:
+                if pool.is_cached(b) or self._parent_of[b] != _ROOT or self._num_children[b]:
+                    raise IntegrityError(f"block {b} is not a node but carries node state")
+            elif self._block_of.get(h) != b:
+                raise IntegrityError(f"block {b} records hash {h!r}, which is not indexed to it")
+            if children[b] != self._num_children[b]:
+                raise IntegrityError(f"block {b} counts {self._num_children[b]} children, has {children[b]}")
+        if len(self._block_of) < pool.num_idle:
+            raise IntegrityError("more idle blocks than cached nodes")

@@ -571,6 +571,7 @@ def block_hashes(
     >>> block_hashes([1, 2, 3], 16)  # no full block, no hash
     []
     """
+    block_size = _check_index(block_size, "block_size", minimum=1)  # before the cache: 2.0 == 2 there
     try:
         hasher = _hasher(block_size, scheme, Namespace.of(namespace))
     except TypeError:  # an unhashable argument reached the cache

@@ -1,0 +1,32 @@
+"""Shared test helpers: a full snapshot of a manager's observable state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvblocks import KVCacheManager
+
+
+def manager_snapshot(m: KVCacheManager) -> dict[str, Any]:
+    """Everything an error path must leave untouched: pool states and orders, tree, sequences, stats."""
+    pool, tree = m.pool, m.tree
+    seqs = {}
+    for seq_id, s in m._seqs.items():  # noqa: SLF001 - the test looks inside on purpose
+        seqs[seq_id] = (
+            s.content.num_tokens,
+            tuple(s.content.hashes),
+            None if s.table is None else tuple(s.table),
+            dict(s.pins or {}),
+            s.num_covered,
+            s.num_committed,
+            s.num_registered,
+            s.preempted,
+        )
+    return {
+        "refs": [pool.ref_count(b) for b in range(pool.num_blocks)],
+        "fresh": list(pool.fresh_order()),
+        "idle": list(pool.idle_lru()),
+        "tree": {b: (tree.hash_of(b), tree.parent_of(b)) for b in range(pool.num_blocks) if tree.hash_of(b) is not None},
+        "seqs": seqs,
+        "stats": m.stats,
+    }

@@ -51,12 +51,16 @@ class CachedTokens:
     num_prompt_tokens: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
-        _check_count(self.device, "device cached tokens")
-        _check_count(self.host, "host cached tokens")
-        _check_count(self.storage, "storage cached tokens")
-        _check_count(self.num_prompt_tokens, "num_prompt_tokens")
-        total = self.device + self.host + self.storage
-        if total > self.num_prompt_tokens:
+        device, host, storage, prompt = self.device, self.host, self.storage, self.num_prompt_tokens
+        if not (type(device) is int and type(host) is int and type(storage) is int and type(prompt) is int):
+            _check_count(device, "device cached tokens")  # raises with a message naming the culprit
+            _check_count(host, "host cached tokens")
+            _check_count(storage, "storage cached tokens")
+            _check_count(prompt, "num_prompt_tokens")
+        if device < 0 or host < 0 or storage < 0 or prompt < 0:
+            raise AccountingError(f"cached-token counts must be >= 0, got {device}, {host}, {storage} of {prompt}")
+        total = device + host + storage
+        if total > prompt:
             raise AccountingError(
                 f"cached tokens (device {self.device} + host {self.host} + storage {self.storage} = {total}) "
                 f"exceed the prompt's {self.num_prompt_tokens} tokens"

@@ -308,7 +308,7 @@ class Namespace:
         if isinstance(value, Namespace):
             return value
         if isinstance(value, str):
-            return cls(model=value)
+            return _namespace_of_model(value)
         raise ConfigError(f"namespace must be str or Namespace, got {type(value).__name__}")
 
     def root_material(self, scheme: str, block_size: int) -> bytes:
@@ -571,14 +571,20 @@ def block_hashes(
     >>> block_hashes([1, 2, 3], 16)  # no full block, no hash
     []
     """
-    block_size = _check_index(block_size, "block_size", minimum=1)  # before the cache: 2.0 == 2 there
+    if type(block_size) is not int:  # before the cache, where 2.0 and True would pass for 2 and 1
+        block_size = _check_index(block_size, "block_size", minimum=1)
     try:
-        hasher = _hasher(block_size, scheme, Namespace.of(namespace))
+        hasher = _hasher(block_size, scheme, namespace)
     except TypeError:  # an unhashable argument reached the cache
         hasher = BlockHasher(block_size, scheme, namespace)
     return hasher.hash_tokens(token_ids, extras)
 
 
 @lru_cache(maxsize=64)
-def _hasher(block_size: int, scheme: str, namespace: Namespace) -> BlockHasher:
+def _hasher(block_size: int, scheme: str, namespace: str | Namespace) -> BlockHasher:
     return BlockHasher(block_size, scheme, namespace)
+
+
+@lru_cache(maxsize=256)
+def _namespace_of_model(model: str) -> Namespace:
+    return Namespace(model=model)

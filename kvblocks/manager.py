@@ -351,7 +351,7 @@ class KVCacheManager:
         if need > pool.num_free - pool.count_idle(matched):
             return None
         if hits:
-            pool.acquire(matched)
+            pool._acquire_valid(matched)  # nodes the tree just matched: valid by construction
         if need:
             matched += self._take(need)
         s.table = matched
@@ -452,8 +452,8 @@ class KVCacheManager:
                     order.append(pinned)
                 order.append(table[position])
         else:
-            order = table[::-1]
-        self._pool.release(order)
+            order = reversed(table)  # type: ignore[assignment]
+        self._pool._release_valid(order)  # the manager's own table: valid by construction
         s.table = None
         s.view = None
         s.pins = None

@@ -11,16 +11,22 @@ Every block is in exactly one of three states::
     evict:       IDLE -> FRESH (the content index dropped it)
 
 The pool knows nothing about hashes or tensors. The content index above it
-(:class:`kvblocks.radix.PrefixTree`) marks blocks cached when their content becomes
-findable and chooses which idle block to evict; the pool keeps the states, the
-reference counts and the two orders. Every operation is O(1) per block, and a
-batch either applies completely or raises and leaves the pool as it was.
+(:class:`kvblocks.radix.PrefixTree`) records an opaque *content key* on a block when
+its content becomes findable (a block with a key is "cached") and chooses which
+idle block to evict; the pool keeps the states, the reference counts, the keys and
+the two orders. Every operation is O(1) per block, and a batch either applies
+completely or raises and leaves the pool as it was.
+
+The content index is the pool's one privileged user: for speed it reads and
+writes ``_ref``, ``_key``, ``_idle`` and ``_fresh`` directly, keeping the states
+above. The manager may call the unchecked ``_acquire_valid`` / ``_release_valid``
+for ids that are valid by construction. Nothing else may do either.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import KeysView, Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, KeysView, Sequence
 
 from kvblocks.errors import ConfigError, DoubleFreeError, IntegrityError, InvalidArgumentError, InvalidBlockIdError
 
@@ -33,13 +39,13 @@ class BlockPool:
     >>> pool = BlockPool(4)
     >>> pool.take_fresh(2)
     [0, 1]
-    >>> pool.mark_cached(0)        # block 0's content became findable
+    >>> pool.mark_cached(0, "h0")  # block 0's content became findable under key "h0"
     >>> pool.release([1, 0])       # 1 -> fresh (end of queue), 0 -> idle LRU
     >>> list(pool.fresh_order()), list(pool.idle_lru())
     ([2, 3, 1], [0])
     """
 
-    __slots__ = ("num_blocks", "_ref", "_fresh", "_idle", "_cached")
+    __slots__ = ("num_blocks", "_ref", "_fresh", "_idle", "_key")
 
     def __init__(self, num_blocks: int) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
@@ -48,7 +54,7 @@ class BlockPool:
         self._ref = [0] * num_blocks
         self._fresh: deque[int] = deque(range(num_blocks))
         self._idle: OrderedDict[int, None] = OrderedDict()
-        self._cached = bytearray(num_blocks)
+        self._key: list[object | None] = [None] * num_blocks
 
     # ------------------------------------------------------------------ queries
 
@@ -75,15 +81,24 @@ class BlockPool:
 
     def is_cached(self, block: int) -> bool:
         self._check_id(block)
-        return bool(self._cached[block])
+        return self._key[block] is not None
+
+    def content_key(self, block: int) -> object | None:
+        """The key the content index registered for ``block`` (None: it holds nothing findable)."""
+        self._check_id(block)
+        return self._key[block]
 
     def is_idle(self, block: int) -> bool:
         return block in self._idle
 
     def count_idle(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` are idle (acquiring them would shrink the evictable supply)."""
-        ref = self._ref
-        return sum(1 for b in blocks if ref[b] == 0)
+        try:
+            if blocks and min(blocks) < 0:
+                raise IndexError
+            return list(map(self._ref.__getitem__, blocks)).count(0)
+        except (IndexError, TypeError):
+            raise InvalidBlockIdError(f"block ids must be ints in 0..{self.num_blocks - 1}") from None
 
     def fresh_order(self) -> deque[int]:
         """The fresh queue, next-to-hand-out first (a live view; do not mutate)."""
@@ -113,16 +128,15 @@ class BlockPool:
         Only IN USE or IDLE blocks can be acquired: a fresh block holds no content worth
         sharing and is obtained with :meth:`take_fresh`.
         """
+        n = self.num_blocks
         ref = self._ref
         idle = self._idle
-        n = self.num_blocks
-        for b in blocks:  # validate everything first: an LRU position cannot be restored
-            if not (type(b) is int and 0 <= b < n) or (ref[b] == 0 and b not in idle):
-                raise InvalidBlockIdError(self._acquire_problem(b))
-        for b in blocks:
-            if ref[b] == 0:
-                del idle[b]
-            ref[b] += 1
+        for b in blocks:  # validate everything first: an LRU position could not be restored
+            if not (type(b) is int and 0 <= b < n):
+                raise InvalidBlockIdError(f"block id {b!r} is not an int in 0..{n - 1}")
+            if not ref[b] and b not in idle:
+                raise InvalidBlockIdError(f"block {b} is fresh; fresh blocks are handed out by take_fresh")
+        self._acquire_valid(blocks)
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block, in order; blocks reaching 0 become IDLE or FRESH.
@@ -131,31 +145,50 @@ class BlockPool:
         fresh queue) in the order given, so pass a sequence's blocks tail first to make
         its tail evictable before its head.
         """
+        n = self.num_blocks
+        ref = self._ref
+        for b in blocks:  # validate everything first
+            if not (type(b) is int and 0 <= b < n):
+                raise InvalidBlockIdError(f"block id {b!r} is not an int in 0..{n - 1}")
+        for b, times in Counter(blocks).items():
+            if ref[b] < times:
+                raise DoubleFreeError(f"block {b} released more often than it was taken (ref count {ref[b]})")
+        self._release_valid(blocks)
+
+    # The unchecked halves of acquire/release: for callers inside kvblocks whose block ids are valid
+    # by construction (the manager releasing its own table, acquiring blocks the tree just matched).
+
+    def _acquire_valid(self, blocks: Iterable[int]) -> None:
         ref = self._ref
         idle = self._idle
-        fresh = self._fresh
-        cached = self._cached
-        n = self.num_blocks
-        for i, b in enumerate(blocks):
-            if not (type(b) is int and 0 <= b < n) or ref[b] == 0:
-                self._undo_release(blocks, i)
-                if type(b) is int and 0 <= b < n:
-                    raise DoubleFreeError(f"block {b} released more often than it was taken (ref count is 0)")
-                raise InvalidBlockIdError(f"block id {b!r} is not an int in 0..{n - 1}")
+        for b in blocks:
+            r = ref[b]
+            if not r:
+                del idle[b]
+            ref[b] = r + 1
+
+    def _release_valid(self, blocks: Iterable[int]) -> None:
+        ref = self._ref
+        idle = self._idle
+        fresh_append = self._fresh.append
+        key = self._key
+        for b in blocks:
             r = ref[b] - 1
             ref[b] = r
-            if r == 0:
-                if cached[b]:
-                    idle[b] = None
+            if not r:
+                if key[b] is None:
+                    fresh_append(b)
                 else:
-                    fresh.append(b)
+                    idle[b] = None
 
-    def mark_cached(self, block: int) -> None:
-        """Record that ``block`` (in use) now holds findable content: at ref 0 it becomes IDLE."""
+    def mark_cached(self, block: int, key: object = True) -> None:
+        """Record that ``block`` (in use) now holds content findable under ``key``: at ref 0 it becomes IDLE."""
         self._check_id(block)
         if self._ref[block] == 0:
             raise InvalidBlockIdError(f"block {block} is not in use; only a held block can become cached")
-        self._cached[block] = 1
+        if key is None:
+            raise InvalidArgumentError("a content key cannot be None")
+        self._key[block] = key
 
     def evict(self, block: int) -> None:
         """IDLE -> FRESH: the content index dropped this block's content. Joins the back of the fresh queue."""
@@ -163,7 +196,7 @@ class BlockPool:
             del self._idle[block]
         except KeyError:
             raise InvalidBlockIdError(f"block {block!r} is not idle and cannot be evicted") from None
-        self._cached[block] = 0
+        self._key[block] = None
         self._fresh.append(block)
 
     # ------------------------------------------------------------------ checks
@@ -184,9 +217,9 @@ class BlockPool:
             states = in_use + (b in fresh) + (b in idle)
             if states != 1:
                 raise IntegrityError(f"block {b} is in {states} states (ref {r}, fresh {b in fresh}, idle {b in idle})")
-            if b in fresh and self._cached[b]:
+            if b in fresh and self._key[b] is not None:
                 raise IntegrityError(f"fresh block {b} is marked cached")
-            if b in idle and not self._cached[b]:
+            if b in idle and self._key[b] is None:
                 raise IntegrityError(f"idle block {b} is not marked cached")
 
     # ------------------------------------------------------------------ internals
@@ -194,19 +227,3 @@ class BlockPool:
     def _check_id(self, block: int) -> None:
         if not (type(block) is int and 0 <= block < self.num_blocks):
             raise InvalidBlockIdError(f"block id {block!r} is not an int in 0..{self.num_blocks - 1}")
-
-    def _acquire_problem(self, b: object) -> str:
-        if not (type(b) is int and 0 <= b < self.num_blocks):
-            return f"block id {b!r} is not an int in 0..{self.num_blocks - 1}"
-        return f"block {b} is fresh; fresh blocks are handed out by take_fresh, not acquired"
-
-    def _undo_release(self, blocks: Sequence[int], upto: int) -> None:
-        ref = self._ref
-        for j in range(upto - 1, -1, -1):
-            b = blocks[j]
-            if ref[b] == 0:
-                if self._cached[b]:
-                    self._idle.popitem(last=True)
-                else:
-                    self._fresh.pop()
-            ref[b] += 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from kvblocks.errors import IntegrityError, InvalidArgumentError, InvalidBlockHashError, InvalidBlockIdError, SequenceStateError
 from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink
@@ -33,7 +34,6 @@ from kvblocks.pool import BlockPool
 
 __all__ = ["PrefixMatch", "PrefixTree"]
 
-_ROOT = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,15 +63,28 @@ class PrefixTree:
     [1]
     """
 
-    __slots__ = ("pool", "tier", "_block_of", "_hash_of", "_parent_of", "_num_children", "_events", "num_evicted")
+    __slots__ = (
+        "pool",
+        "tier",
+        "_block_of",
+        "_hash_of",
+        "_parent_of",
+        "_num_children",
+        "_root",
+        "_events",
+        "num_evicted",
+    )
 
     def __init__(self, pool: BlockPool, *, tier: str = "device", events: EventSink | None = None) -> None:
         self.pool = pool
         self.tier = tier
         self._block_of: dict[BlockHash, int] = {}
-        self._hash_of: list[BlockHash | None] = [None] * pool.num_blocks
-        self._parent_of: list[int] = [_ROOT] * pool.num_blocks
-        self._num_children: list[int] = [0] * pool.num_blocks
+        self._hash_of: list[BlockHash | None] = pool._key  # type: ignore[assignment]  # the pool's content keys
+        # The root is a virtual node with id num_blocks: a chain's first block is its child, so child
+        # counting needs no branch. _parent_of is meaningful for nodes only.
+        self._root = pool.num_blocks
+        self._parent_of: list[int] = [self._root] * pool.num_blocks
+        self._num_children: list[int] = [0] * (pool.num_blocks + 1)
         self._events = events
         self.num_evicted = 0
         """Blocks evicted since construction (a counter, never reset)."""
@@ -93,7 +106,7 @@ class PrefixTree:
     def parent_of(self, block: int) -> int | None:
         """The block holding the previous hash of ``block``'s chain (None for a chain's first block)."""
         p = self._parent_of[block]
-        return None if p == _ROOT else p
+        return None if p == self._root else p
 
     def num_children(self, block: int) -> int:
         return self._num_children[block]
@@ -138,6 +151,7 @@ class PrefixTree:
         from the returned one computed a duplicate: its block stays private and the
         tree keeps the first. The new blocks must be in use (their KV was just written)
         and the parent ``hashes[start-1]`` must be cached. Emits one ``BlockStored``.
+        On any error nothing changes.
         """
         stop = len(hashes) if stop is None else stop
         if not 0 <= start <= stop <= min(len(hashes), len(blocks)):
@@ -145,7 +159,7 @@ class PrefixTree:
                 f"insert range [{start}, {stop}) does not fit {len(hashes)} hashes and {len(blocks)} blocks"
             )
         block_of = self._block_of
-        parent = _ROOT
+        parent = self._root
         if start > 0:
             parent_block = block_of.get(hashes[start - 1])
             if parent_block is None:
@@ -153,55 +167,67 @@ class PrefixTree:
                     f"cannot insert at position {start}: the parent hash {hashes[start - 1]!r} is not cached"
                 )
             parent = parent_block
-        # Validate everything before the first change.
         first_new = start
-        while first_new < stop and hashes[first_new] in block_of:
+        existing: list[int] = []
+        while first_new < stop:
+            node = block_of.get(hashes[first_new])
+            if node is None:
+                break
+            existing.append(node)
             first_new += 1
-        existing = [block_of[hashes[i]] for i in range(start, first_new)]
-        self._check_new_nodes(hashes, blocks, first_new, stop)
         if first_new == stop:
             return existing
-        if first_new > start:
+        if existing:
             parent = existing[-1]
         hash_of = self._hash_of
         parent_of = self._parent_of
         num_children = self._num_children
-        mark_cached = self.pool.mark_cached
-        for i in range(first_new, stop):
-            h = hashes[i]
-            b = blocks[i]
-            block_of[h] = b
-            hash_of[b] = h
-            parent_of[b] = parent
-            if parent != _ROOT:
+        pool = self.pool
+        ref = pool._ref  # package-private: the tree is the pool's content index
+        new_blocks = blocks[first_new:stop]
+        i = first_new - 1
+        try:
+            if min(new_blocks) < 0:  # the one bad id that list indexing would not catch
+                raise IndexError
+            for i, h, b in zip(range(first_new, stop), hashes[first_new:stop], new_blocks):
+                # A block already a node (or given twice), a block nobody holds, a hash seen twice: refuse.
+                if hash_of[b] is not None or not ref[b] or h in block_of:
+                    raise IndexError
+                block_of[h] = b
+                hash_of[b] = h
+                parent_of[b] = parent
                 num_children[parent] += 1
-            mark_cached(b)
-            parent = b
+                parent = b
+        except (IndexError, TypeError):  # also what a bad block id raises
+            self._unlink(hashes, blocks, first_new, i)
+            raise self._insert_problem(hashes, blocks, first_new, max(i, first_new)) from None
         if self._events is not None:
             parent_hash = hashes[first_new - 1] if first_new > 0 else None
             self._events.emit(BlockStored(tuple(hashes[first_new:stop]), parent_hash, self.tier))
         return existing
 
-    def _check_new_nodes(self, hashes: Sequence[BlockHash], blocks: Sequence[int], first: int, stop: int) -> None:
-        block_of = self._block_of
-        hash_of = self._hash_of
-        pool = self.pool
-        for i in range(first, stop):
-            if hashes[i] in block_of:
-                raise InvalidBlockHashError(
-                    f"hash at position {i} is cached but position {first} is not: the hashes are not one chain"
-                )
+    def _unlink(self, hashes: Sequence[BlockHash], blocks: Sequence[int], first: int, stop: int) -> None:
+        """Undo the links an aborted insert made for positions ``first..stop-1`` (leaves, newest first)."""
+        for i in range(stop - 1, first - 1, -1):
             b = blocks[i]
-            if not (type(b) is int and 0 <= b < pool.num_blocks):
-                raise InvalidBlockIdError(f"block id {b!r} is not an int in 0..{pool.num_blocks - 1}")
-            if hash_of[b] is not None:
-                raise InvalidBlockIdError(f"block {b} already caches hash {hash_of[b]!r}")
-            if pool.ref_count(b) == 0:
-                raise InvalidBlockIdError(f"block {b} is not in use; only a held block can be inserted")
-        if stop - first > 1 and len(set(blocks[first:stop])) != stop - first:
-            raise InvalidBlockIdError("the same block id appears twice in one insert")
-        if stop - first > 1 and len(set(hashes[first:stop])) != stop - first:
-            raise InvalidBlockHashError("the same hash appears twice in one chain")
+            del self._block_of[hashes[i]]
+            self._hash_of[b] = None
+            self._num_children[self._parent_of[b]] -= 1
+
+    def _insert_problem(self, hashes: Sequence[BlockHash], blocks: Sequence[int], first: int, i: int) -> Exception:
+        """Why position ``i`` of an insert was refused (checked in the insert loop's order)."""
+        n = self.pool.num_blocks
+        bad = [x for x in blocks[first:] if not (type(x) is int and 0 <= x < n)]
+        if bad:
+            return InvalidBlockIdError(f"block id {bad[0]!r} is not an int in 0..{n - 1}")
+        b = blocks[i]
+        if self._hash_of[b] is not None or b in blocks[first:i]:
+            return InvalidBlockIdError(f"block {b} is already a node (or appears twice in one insert)")
+        if not self.pool._ref[b]:
+            return InvalidBlockIdError(f"block {b} is not in use; only a held block can be inserted")
+        if hashes[i] in hashes[first:i]:
+            return InvalidBlockHashError(f"hash at position {i} appears earlier in the same chain")
+        return InvalidBlockHashError(f"hash at position {i} is cached but an earlier position is not: not one chain")
 
     # ------------------------------------------------------------------ eviction
 
@@ -215,30 +241,35 @@ class PrefixTree:
         if count < 0:
             raise InvalidArgumentError(f"cannot evict {count} blocks")
         pool = self.pool
-        lru = pool.idle_lru()
+        idle = pool._idle  # package-private: the tree is the pool's content index
+        fresh_append = pool._fresh.append
         block_of = self._block_of
         hash_of = self._hash_of
         parent_of = self._parent_of
         num_children = self._num_children
         evicted: list[int] = []
-        removed: list[BlockHash] = []
-        while len(evicted) < count and lru:
-            b = next(iter(lru))
-            if num_children[b]:
-                b = self._oldest_idle_leaf()
-            h = hash_of[b]
-            del block_of[h]  # type: ignore[arg-type]
-            hash_of[b] = None
-            p = parent_of[b]
-            if p != _ROOT:
-                num_children[p] -= 1
-                parent_of[b] = _ROOT
-            pool.evict(b)
-            evicted.append(b)
-            removed.append(h)  # type: ignore[arg-type]
+        append = evicted.append
+        removed: list[BlockHash] | None = [] if self._events is not None else None
+        while len(evicted) < count and idle:
+            # Snapshot the oldest candidates: iterating a list is cheaper than re-peeking the LRU.
+            for b in list(islice(idle, count - len(evicted))):
+                interior = num_children[b]
+                if interior:  # an interior block ahead of its leaves (see the module docstring)
+                    b = self._oldest_idle_leaf()
+                del idle[b]
+                h = hash_of[b]
+                del block_of[h]  # type: ignore[arg-type]
+                hash_of[b] = None
+                num_children[parent_of[b]] -= 1
+                fresh_append(b)
+                append(b)
+                if removed is not None:
+                    removed.append(h)  # type: ignore[arg-type]
+                if interior:  # the snapshot may be stale now: take a new one
+                    break
         self.num_evicted += len(evicted)
-        if evicted and self._events is not None:
-            self._events.emit(BlockRemoved(tuple(removed), self.tier))
+        if evicted and removed is not None:
+            self._events.emit(BlockRemoved(tuple(removed), self.tier))  # type: ignore[union-attr]
         return evicted
 
     def _oldest_idle_leaf(self) -> int:
@@ -256,10 +287,9 @@ class PrefixTree:
         pool = self.pool
         dropped = list(pool.idle_lru())
         for b in dropped:
-            self._hash_of[b] = None
-            self._parent_of[b] = _ROOT
             self._num_children[b] = 0
             pool.evict(b)
+        self._num_children[self._root] = 0
         self._block_of.clear()
         self.num_evicted += len(dropped)
         if self._events is not None:
@@ -271,22 +301,21 @@ class PrefixTree:
     def check_integrity(self) -> None:
         """Raise :class:`IntegrityError` unless the index, the shape and the pool agree."""
         pool = self.pool
-        children = [0] * pool.num_blocks
+        children = [0] * (pool.num_blocks + 1)
         for h, b in self._block_of.items():
             if self._hash_of[b] != h:
                 raise IntegrityError(f"hash {h!r} maps to block {b}, which records hash {self._hash_of[b]!r}")
-            if not pool.is_cached(b):
-                raise IntegrityError(f"block {b} is a node but the pool does not mark it cached")
             p = self._parent_of[b]
-            if p != _ROOT:
-                if self._hash_of[p] is None:
-                    raise IntegrityError(f"block {b}'s parent {p} is not cached")
-                children[p] += 1
+            if p != self._root and self._hash_of[p] is None:
+                raise IntegrityError(f"block {b}'s parent {p} is not cached")
+            children[p] += 1
+        if children[self._root] != self._num_children[self._root]:
+            raise IntegrityError(f"{self._num_children[self._root]} chains counted, {children[self._root]} exist")
         for b in range(pool.num_blocks):
             h = self._hash_of[b]
             if h is None:
-                if pool.is_cached(b) or self._parent_of[b] != _ROOT or self._num_children[b]:
-                    raise IntegrityError(f"block {b} is not a node but carries node state")
+                if self._num_children[b]:
+                    raise IntegrityError(f"block {b} is not a node but counts children")
             elif self._block_of.get(h) != b:
                 raise IntegrityError(f"block {b} records hash {h!r}, which is not indexed to it")
             if children[b] != self._num_children[b]:

@@ -50,7 +50,7 @@ class FloorCached(NamedTuple):
 
 
 class _FloorSeq:
-    __slots__ = ("content", "table", "covered", "committed", "registered")
+    __slots__ = ("committed", "content", "covered", "registered", "table")
 
     def __init__(self, content: HashedTokens | PrecomputedHashes) -> None:
         self.content = content

@@ -64,5 +64,5 @@ def test_kvblocks_evicts_on_this_workload() -> None:
     m = KVCacheManager(num_blocks=POOL, block_size=BLOCK_SIZE)
     serve_chat(m, WORKLOAD, CONCURRENCY)
     assert m.stats.evicted_blocks > 0
-    assert POOL < WORKLOAD.working_set_blocks
+    assert WORKLOAD.working_set_blocks > POOL
     m.check_integrity()

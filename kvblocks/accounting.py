@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvblocks.errors import AccountingError
 
-__all__ = ["CachedTokens", "HitCounters", "CacheStats"]
+__all__ = ["CacheStats", "CachedTokens", "HitCounters"]
 
 
 def _check_count(value: object, what: str) -> int:
@@ -42,7 +42,7 @@ class CachedTokens:
     >>> CachedTokens(64, 64, num_prompt_tokens=100)
     Traceback (most recent call last):
     ...
-    kvblocks.errors.AccountingError: cached tokens (device 64 + host 64 + storage 0 = 128) exceed the prompt's 100 tokens
+    kvblocks.errors.AccountingError: cached tokens (device 64 + host 64 + storage 0 = 128) exceed the prompt's ...
     """
 
     device: int = 0
@@ -81,20 +81,28 @@ class HitCounters:
 
     __slots__ = (
         "admissions",
-        "queried_tokens",
         "hit_tokens_device",
         "hit_tokens_host",
         "hit_tokens_storage",
-        "readmissions",
-        "readmission_queried_tokens",
+        "queried_tokens",
         "readmission_hit_tokens_device",
         "readmission_hit_tokens_host",
         "readmission_hit_tokens_storage",
+        "readmission_queried_tokens",
+        "readmissions",
     )
 
     def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
+        self.admissions = 0
+        self.queried_tokens = 0
+        self.hit_tokens_device = 0
+        self.hit_tokens_host = 0
+        self.hit_tokens_storage = 0
+        self.readmissions = 0
+        self.readmission_queried_tokens = 0
+        self.readmission_hit_tokens_device = 0
+        self.readmission_hit_tokens_host = 0
+        self.readmission_hit_tokens_storage = 0
 
     def record(self, cached: CachedTokens, *, readmission: bool) -> None:
         """Count one admitted request and what was cached for it at admission."""
@@ -149,7 +157,9 @@ class CacheStats:
 
     @property
     def readmission_hit_tokens(self) -> int:
-        return self.readmission_hit_tokens_device + self.readmission_hit_tokens_host + self.readmission_hit_tokens_storage
+        return (
+            self.readmission_hit_tokens_device + self.readmission_hit_tokens_host + self.readmission_hit_tokens_storage
+        )
 
     @property
     def usage(self) -> float:

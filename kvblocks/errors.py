@@ -12,19 +12,19 @@ unchanged: the check happens before the first mutation.
 from __future__ import annotations
 
 __all__ = [
-    "KVBlocksError",
-    "ConfigError",
-    "InvalidTokenError",
-    "InvalidBlockHashError",
-    "InvalidArgumentError",
-    "UnknownSequenceError",
-    "DuplicateSequenceError",
-    "DoubleFreeError",
-    "SequenceStateError",
-    "CommitOutOfRangeError",
-    "InvalidBlockIdError",
     "AccountingError",
+    "CommitOutOfRangeError",
+    "ConfigError",
+    "DoubleFreeError",
+    "DuplicateSequenceError",
     "IntegrityError",
+    "InvalidArgumentError",
+    "InvalidBlockHashError",
+    "InvalidBlockIdError",
+    "InvalidTokenError",
+    "KVBlocksError",
+    "SequenceStateError",
+    "UnknownSequenceError",
 ]
 
 

@@ -14,12 +14,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Union
 
 from kvblocks.errors import ConfigError
 from kvblocks.hashing import BlockHash
 
-__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEvent", "EventRecord", "EventSink"]
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventRecord", "EventSink", "KVEvent"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +45,7 @@ class AllBlocksCleared:
     tier: str
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +73,7 @@ class EventSink:
     subscription order, and must not raise.
     """
 
-    __slots__ = ("_next_seq", "_buffer", "_subscribers", "_clock")
+    __slots__ = ("_buffer", "_clock", "_next_seq", "_subscribers")
 
     def __init__(self, capacity: int = 65536, *, clock: Callable[[], float] = time.time) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:

@@ -48,7 +48,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import repeat
-from typing import Union
 
 import numpy as np
 import xxhash
@@ -56,15 +55,15 @@ import xxhash
 from kvblocks.errors import ConfigError, InvalidBlockHashError, InvalidTokenError, SequenceStateError
 
 __all__ = [
-    "BlockHash",
     "DEFAULT_SCHEME",
     "HASH_SCHEMES",
-    "Namespace",
-    "MultimodalItem",
     "BlockExtras",
-    "HashScheme",
+    "BlockHash",
     "BlockHasher",
+    "HashScheme",
     "HashedTokens",
+    "MultimodalItem",
+    "Namespace",
     "PrecomputedHashes",
     "block_hashes",
     "blocks_overlapping",
@@ -73,7 +72,7 @@ __all__ = [
     "validate_block_hashes",
 ]
 
-BlockHash = Union[bytes, int]
+BlockHash = bytes | int
 """A block's chained hash: ``bytes`` for xxh3-128 and sha256, ``int`` for xxh3-64-1337
 (and for precomputed ids such as trace hash ids)."""
 
@@ -120,7 +119,7 @@ def _check_index(value: object, what: str, *, minimum: int) -> int:
 # --------------------------------------------------------------------------- tokens
 
 
-def pack_tokens(token_ids: Iterable[int]) -> array:
+def pack_tokens(token_ids: Iterable[int]) -> array[int]:
     """Copy ``token_ids`` into a fresh ``array('I')``, refusing anything that is not a u32.
 
     Accepts lists/tuples of ``int`` or numpy integers, numpy integer arrays and
@@ -138,7 +137,7 @@ def pack_tokens(token_ids: Iterable[int]) -> array:
     raise _bad_token(list(token_ids) if not isinstance(token_ids, Sequence) else token_ids)
 
 
-def _pack_ndarray(arr: np.ndarray) -> array:
+def _pack_ndarray(arr: np.ndarray) -> array[int]:
     if arr.ndim != 1:
         raise InvalidTokenError(f"token ids must be one-dimensional, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
@@ -171,9 +170,7 @@ def validate_block_hashes(hashes: Iterable[BlockHash]) -> list[BlockHash]:
                 raise InvalidBlockHashError(f"block hash at position {index} is negative: {h}")
             out[index] = int(h)
         else:
-            raise InvalidBlockHashError(
-                f"block hash at position {index} must be int or bytes, got {type(h).__name__}"
-            )
+            raise InvalidBlockHashError(f"block hash at position {index} must be int or bytes, got {type(h).__name__}")
     return out
 
 
@@ -362,14 +359,16 @@ class _DigestChain(HashScheme):
         digest = self._digest
         out: list[BlockHash] = []
         append = out.append
-        d = parent
+        if not isinstance(parent, bytes):
+            raise InvalidBlockHashError(f"{self.name} chains onto a bytes digest, got {type(parent).__name__}")
+        d: bytes = parent
         if framer is None:
             for blk in blocks:
-                d = digest(d + blk)  # type: ignore[operator]
+                d = digest(d + blk)
                 append(d)
         else:
             for index, blk in enumerate(blocks, first_index):
-                d = digest(d + blk + framer(index))  # type: ignore[operator]
+                d = digest(d + blk + framer(index))
                 append(d)
         return out
 
@@ -404,7 +403,7 @@ class _Xxh3x64Standard(HashScheme):
         append = out.append
         prev = parent
         for loc in local:
-            prev = loc if prev is None else h64(pack(prev, loc), seed)  # type: ignore[arg-type]
+            prev = loc if prev is None else h64(pack(prev, loc), seed)
             append(prev)
         return out
 
@@ -438,7 +437,7 @@ class BlockHasher:
     2
     """
 
-    __slots__ = ("block_size", "scheme", "namespace", "root", "_block_dtype")
+    __slots__ = ("_block_dtype", "block_size", "namespace", "root", "scheme")
 
     def __init__(self, block_size: int, scheme: str = DEFAULT_SCHEME, namespace: str | Namespace = "default"):
         self.block_size = _check_index(block_size, "block_size", minimum=1)
@@ -449,7 +448,7 @@ class BlockHasher:
 
     def hash_packed(
         self,
-        tokens: array,
+        tokens: array[int],
         start_block: int,
         stop_block: int,
         parent: BlockHash | None,
@@ -487,7 +486,7 @@ class HashedTokens:
     caller's token list is copied, so later changes to it have no effect here.
     """
 
-    __slots__ = ("_hasher", "_tokens", "_framer", "hashes", "num_tokens")
+    __slots__ = ("_framer", "_hasher", "_tokens", "hashes", "num_tokens")
 
     def __init__(self, hasher: BlockHasher, token_ids: Iterable[int] = (), extras: BlockExtras | None = None):
         self._hasher = hasher
@@ -511,7 +510,7 @@ class HashedTokens:
         packed = pack_tokens(token_ids)
         return self.extend_packed(packed)
 
-    def extend_packed(self, packed: array) -> int:
+    def extend_packed(self, packed: array[int]) -> int:
         tokens = self._tokens
         tokens.extend(packed)
         self.num_tokens = len(tokens)
@@ -552,7 +551,7 @@ class PrecomputedHashes:
     def extend(self, token_ids: Iterable[int]) -> int:
         raise SequenceStateError("sequence was registered by block hashes; token ids cannot be appended")
 
-    def extend_packed(self, packed: array) -> int:
+    def extend_packed(self, packed: array[int]) -> int:
         return self.extend(packed)
 
 

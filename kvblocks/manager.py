@@ -43,11 +43,19 @@ from kvblocks.errors import (
     UnknownSequenceError,
 )
 from kvblocks.events import EventSink
-from kvblocks.hashing import DEFAULT_SCHEME, BlockExtras, BlockHash, BlockHasher, HashedTokens, Namespace, PrecomputedHashes
+from kvblocks.hashing import (
+    DEFAULT_SCHEME,
+    BlockExtras,
+    BlockHash,
+    BlockHasher,
+    HashedTokens,
+    Namespace,
+    PrecomputedHashes,
+)
 from kvblocks.pool import BlockPool
 from kvblocks.radix import PrefixTree
 
-__all__ = ["KVCacheManager", "BlockTable"]
+__all__ = ["BlockTable", "KVCacheManager"]
 
 _FREED_MEMORY = 8192  # how many freed ids are remembered to tell a double free from an unknown id
 
@@ -95,13 +103,13 @@ class _Sequence:
 
     __slots__ = (
         "content",
+        "num_committed",
+        "num_covered",
+        "num_registered",
+        "pins",
+        "preempted",
         "table",
         "view",
-        "pins",
-        "num_covered",
-        "num_committed",
-        "num_registered",
-        "preempted",
     )
 
     def __init__(self, content: HashedTokens | PrecomputedHashes) -> None:

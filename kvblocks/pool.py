@@ -45,7 +45,7 @@ class BlockPool:
     ([2, 3, 1], [0])
     """
 
-    __slots__ = ("num_blocks", "_ref", "_fresh", "_idle", "_key")
+    __slots__ = ("_fresh", "_idle", "_key", "_ref", "num_blocks")
 
     def __init__(self, num_blocks: int) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:

@@ -27,13 +27,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
 
-from kvblocks.errors import IntegrityError, InvalidArgumentError, InvalidBlockHashError, InvalidBlockIdError, SequenceStateError
+from kvblocks.errors import (
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidBlockHashError,
+    InvalidBlockIdError,
+    SequenceStateError,
+)
 from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
 
 __all__ = ["PrefixMatch", "PrefixTree"]
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +69,15 @@ class PrefixTree:
     """
 
     __slots__ = (
+        "_block_of",
+        "_events",
+        "_hash_of",
+        "_num_children",
+        "_parent_of",
+        "_root",
+        "num_evicted",
         "pool",
         "tier",
-        "_block_of",
-        "_hash_of",
-        "_parent_of",
-        "_num_children",
-        "_root",
-        "_events",
-        "num_evicted",
     )
 
     def __init__(self, pool: BlockPool, *, tier: str = "device", events: EventSink | None = None) -> None:
@@ -116,7 +121,9 @@ class PrefixTree:
         block_of = self._block_of
         stop = len(hashes) if limit is None else min(limit, len(hashes))
         n = 0
-        while n < stop and hashes[n] in block_of:
+        for h in hashes if stop == len(hashes) else islice(hashes, stop):
+            if h not in block_of:
+                break
             n += 1
         return n
 
@@ -126,8 +133,8 @@ class PrefixTree:
         stop = len(hashes) if limit is None else min(limit, len(hashes))
         out: list[int] = []
         append = out.append
-        for i in range(stop):
-            b = get(hashes[i])
+        for h in hashes if stop == len(hashes) else islice(hashes, stop):
+            b = get(h)
             if b is None:
                 break
             append(b)
@@ -189,7 +196,7 @@ class PrefixTree:
         try:
             if min(new_blocks) < 0:  # the one bad id that list indexing would not catch
                 raise IndexError
-            for i, h, b in zip(range(first_new, stop), hashes[first_new:stop], new_blocks):
+            for i, h, b in zip(range(first_new, stop), hashes[first_new:stop], new_blocks):  # noqa: B007
                 # A block already a node (or given twice), a block nobody holds, a hash seen twice: refuse.
                 if hash_of[b] is not None or not ref[b] or h in block_of:
                     raise IndexError
@@ -302,9 +309,9 @@ class PrefixTree:
         """Raise :class:`IntegrityError` unless the index, the shape and the pool agree."""
         pool = self.pool
         children = [0] * (pool.num_blocks + 1)
-        for h, b in self._block_of.items():
-            if self._hash_of[b] != h:
-                raise IntegrityError(f"hash {h!r} maps to block {b}, which records hash {self._hash_of[b]!r}")
+        for key, b in self._block_of.items():
+            if self._hash_of[b] != key:
+                raise IntegrityError(f"hash {key!r} maps to block {b}, which records hash {self._hash_of[b]!r}")
             p = self._parent_of[b]
             if p != self._root and self._hash_of[p] is None:
                 raise IntegrityError(f"block {b}'s parent {p} is not cached")

@@ -11,7 +11,7 @@ def manager_snapshot(m: KVCacheManager) -> dict[str, Any]:
     """Everything an error path must leave untouched: pool states and orders, tree, sequences, stats."""
     pool, tree = m.pool, m.tree
     seqs = {}
-    for seq_id, s in m._seqs.items():  # noqa: SLF001 - the test looks inside on purpose
+    for seq_id, s in m._seqs.items():
         seqs[seq_id] = (
             s.content.num_tokens,
             tuple(s.content.hashes),
@@ -26,7 +26,9 @@ def manager_snapshot(m: KVCacheManager) -> dict[str, Any]:
         "refs": [pool.ref_count(b) for b in range(pool.num_blocks)],
         "fresh": list(pool.fresh_order()),
         "idle": list(pool.idle_lru()),
-        "tree": {b: (tree.hash_of(b), tree.parent_of(b)) for b in range(pool.num_blocks) if tree.hash_of(b) is not None},
+        "tree": {
+            b: (tree.hash_of(b), tree.parent_of(b)) for b in range(pool.num_blocks) if tree.hash_of(b) is not None
+        },
         "seqs": seqs,
         "stats": m.stats,
     }

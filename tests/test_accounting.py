@@ -15,9 +15,7 @@ def test_total_and_to_compute() -> None:
     assert (c.device, c.host, c.storage, c.total, c.to_compute) == (16, 32, 8, 56, 44)
 
 
-@given(
-    device=st.integers(0, 300), host=st.integers(0, 300), storage=st.integers(0, 300), prompt=st.integers(0, 600)
-)
+@given(device=st.integers(0, 300), host=st.integers(0, 300), storage=st.integers(0, 300), prompt=st.integers(0, 600))
 def test_total_never_exceeds_the_prompt(device: int, host: int, storage: int, prompt: int) -> None:
     if device + host + storage <= prompt:
         assert CachedTokens(device, host, storage, num_prompt_tokens=prompt).total == device + host + storage
@@ -28,8 +26,13 @@ def test_total_never_exceeds_the_prompt(device: int, host: int, storage: int, pr
 
 @pytest.mark.parametrize(
     "args, kwargs",
-    [((-1,), {"num_prompt_tokens": 5}), ((1.0,), {"num_prompt_tokens": 5}), ((True,), {"num_prompt_tokens": 5}),
-     ((0,), {"num_prompt_tokens": -1}), ((1,), {})],
+    [
+        ((-1,), {"num_prompt_tokens": 5}),
+        ((1.0,), {"num_prompt_tokens": 5}),
+        ((True,), {"num_prompt_tokens": 5}),
+        ((0,), {"num_prompt_tokens": -1}),
+        ((1,), {}),
+    ],
 )
 def test_bad_parts_are_refused(args, kwargs) -> None:
     with pytest.raises(AccountingError):

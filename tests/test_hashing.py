@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import struct
 import subprocess
@@ -113,7 +114,9 @@ def test_hashes_identical_across_processes_and_hash_seeds() -> None:
     outputs = set()
     for seed in ("0", "1", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        outputs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+        outputs.add(
+            subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+        )
     assert outputs == {block_hashes(list(range(100)), 16)[-1].hex() + "\n"}
 
 
@@ -251,9 +254,7 @@ def test_bad_extras_are_refused(kwargs) -> None:
         BlockExtras(**kwargs)
 
 
-@pytest.mark.parametrize(
-    "args", [(b"", 0, 1), (b"d", -1, 1), (b"d", 0, 0), (b"d", 1.5, 1), (b"d", True, 1), (7, 0, 1)]
-)
+@pytest.mark.parametrize("args", [(b"", 0, 1), (b"d", -1, 1), (b"d", 0, 0), (b"d", 1.5, 1), (b"d", True, 1), (7, 0, 1)])
 def test_bad_mm_items_are_refused(args) -> None:
     with pytest.raises(ConfigError):
         MultimodalItem(*args)
@@ -321,13 +322,11 @@ def test_unknown_scheme_and_bad_block_size() -> None:
     with_extras=st.booleans(),
 )
 def test_piecewise_hashing_equals_one_shot(tokens, cuts, block_size, scheme, with_extras) -> None:
-    extras = (
-        BlockExtras(lora="l", cache_salt="s", mm_items=(MultimodalItem(b"m", 3, 9),)) if with_extras else None
-    )
+    extras = BlockExtras(lora="l", cache_salt="s", mm_items=(MultimodalItem(b"m", 3, 9),)) if with_extras else None
     hasher = BlockHasher(block_size, scheme=scheme)
     points = sorted({min(c, len(tokens)) for c in cuts} | {0, len(tokens)})
     seq = HashedTokens(hasher, tokens[: points[0]], extras)
-    for a, b in zip(points, points[1:]):
+    for a, b in itertools.pairwise(points):
         seq.extend(tokens[a:b])
     assert seq.hashes == hasher.hash_tokens(tokens, extras)
     assert seq.num_tokens == len(tokens)

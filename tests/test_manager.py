@@ -9,10 +9,10 @@ import pytest
 import xxhash
 
 from kvblocks import (
+    AllBlocksCleared,
     BlockExtras,
     BlockRemoved,
     BlockStored,
-    AllBlocksCleared,
     CacheConfig,
     EventSink,
     KVCacheManager,
@@ -551,7 +551,7 @@ def test_check_integrity_catches_a_leaked_reference() -> None:
 def test_check_integrity_catches_a_table_too_short() -> None:
     m = KVCacheManager(num_blocks=8, block_size=4)
     prefill(m, "a", list(range(9)))
-    m._seqs["a"].num_covered = 20  # noqa: SLF001
+    m._seqs["a"].num_covered = 20
     with pytest.raises(IntegrityError, match="blocks for 20 tokens"):
         m.check_integrity()
 
@@ -560,7 +560,7 @@ def test_check_integrity_catches_a_cached_block_outliving_its_holder_order() -> 
     m = KVCacheManager(num_blocks=8, block_size=4)
     prefill(m, "a", list(range(9)))
     m.free("a")
-    m.pool._idle.move_to_end(1)  # noqa: SLF001 - parent 0 now looks released before child 1
+    m.pool._idle.move_to_end(1)
     with pytest.raises(IntegrityError, match="released before its idle child"):
         m.check_integrity()
 
@@ -568,6 +568,6 @@ def test_check_integrity_catches_a_cached_block_outliving_its_holder_order() -> 
 def test_check_integrity_catches_an_orphaned_node() -> None:
     m = KVCacheManager(num_blocks=8, block_size=4)
     prefill(m, "a", list(range(9)))
-    m.tree._parent_of[1] = 5  # noqa: SLF001
+    m.tree._parent_of[1] = 5
     with pytest.raises(IntegrityError):
         m.check_integrity()

@@ -216,7 +216,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for seq_id in self.admitted():
             for b in self.m.block_table(seq_id):
                 holders[b] += 1
-        for seq_id, s in self.m._seqs.items():  # noqa: SLF001 - pins are the one hidden holding
+        for s in self.m._seqs.values():  # pins: the one holding a block table does not show
             for b in (s.pins or {}).values():
                 holders[b] += 1
         assert [self.m.pool.ref_count(b) for b in range(POOL)] == holders

@@ -114,7 +114,7 @@ def test_release_of_bad_id_raises_and_changes_nothing(bad) -> None:
 
 def test_acquire_of_fresh_or_bad_block_raises_and_changes_nothing() -> None:
     pool = BlockPool(4)
-    a, b = pool.take_fresh(2)
+    a, _ = pool.take_fresh(2)
     pool.mark_cached(a)
     pool.release([a])
     before = state(pool)

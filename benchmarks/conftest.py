@@ -45,14 +45,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--kvblocks-ratios", default=None, help="write the benchmark ratios as JSON to this path")
 
 
-def _medians(config: pytest.Config) -> dict[tuple[str, str], float]:
+def _finished(config: pytest.Config) -> list:
     session = getattr(config, "_benchmarksession", None)
-    out: dict[tuple[str, str], float] = {}
-    for bench in getattr(session, "benchmarks", []) or []:
-        subject = bench.extra_info.get("subject")
-        if bench and subject:
-            out[(bench.group, subject)] = bench.stats.median
-    return out
+    return [b for b in getattr(session, "benchmarks", []) or [] if b and b.extra_info.get("subject")]
+
+
+def _medians(config: pytest.Config) -> dict[tuple[str, str], float]:
+    return {(b.group, b.extra_info["subject"]): b.stats.median for b in _finished(config)}
+
+
+def _throughput_lines(config: pytest.Config) -> list[str]:
+    """Requests/s and microseconds per block for the lifecycle benchmarks (medians)."""
+    lines = []
+    for bench in _finished(config):
+        info = bench.extra_info
+        if "requests" in info and "blocks" in info:
+            median = bench.stats.median
+            lines.append(
+                f"{bench.group:<18} {info['subject']:<10} {info['requests'] / median:10.0f} requests/s "
+                f"{median / info['blocks'] * 1e6:8.3f} us/block  ({info['requests']} requests, {info['blocks']} blocks, "
+                f"pool {info['pool_blocks']} of a {info['working_set_blocks']}-block working set)"
+            )
+    return lines
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
@@ -88,6 +102,11 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
             f"{row['subject_median_s'] * 1e3:10.3f} ms vs {row['baseline_median_s'] * 1e3:10.3f} ms  "
             f"ratio {row['ratio']:6.2f} {target:>8} {row['verdict']}"
         )
+    throughput = _throughput_lines(config)
+    if throughput:
+        tr.write_sep("-", "kvblocks lifecycle throughput (medians)")
+        for line in throughput:
+            tr.write_line(line)
     path = config.getoption("--kvblocks-ratios")
     if path:
         with open(path, "w") as fh:

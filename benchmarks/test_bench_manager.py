@@ -35,7 +35,7 @@ def _record(benchmark, group: str, subject: str) -> None:
 def test_chat_lifecycle(benchmark, subject: str) -> None:
     """add, lookup, allocate, commit the prompt; then append/allocate/commit per decoded token; free."""
     _record(benchmark, "lifecycle-chat", subject)
-    benchmark.extra_info["blocks"] = WORKLOAD.total_blocks // BLOCK_SIZE
+    benchmark.extra_info["blocks"] = WORKLOAD.total_tokens // BLOCK_SIZE  # block slots the requests' contexts fill
     cached = benchmark.pedantic(
         serve_chat,
         setup=lambda: ((MANAGERS[subject](POOL), WORKLOAD, CONCURRENCY), {}),
@@ -49,7 +49,9 @@ def test_chat_lifecycle(benchmark, subject: str) -> None:
 def test_prefill_by_hashes(benchmark, subject: str) -> None:
     """The same requests as precomputed hashes (a trace replay): pure bookkeeping, no hashing."""
     _record(benchmark, "lifecycle-hashes", subject)
+    benchmark.extra_info["blocks"] = sum(len(hashes) for _, hashes, _ in HASHED)
     pool = max(int(WORKLOAD.working_set_blocks * 0.3), WORKLOAD.max_request_blocks + 1)
+    benchmark.extra_info["pool_blocks"] = pool
     cached = benchmark.pedantic(
         serve_prefill_by_hashes,
         setup=lambda: ((MANAGERS[subject](pool), HASHED, BLOCK_SIZE), {}),

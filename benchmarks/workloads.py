@@ -21,7 +21,8 @@ class ChatWorkload:
     max_request_blocks: int
 
     @property
-    def total_blocks(self) -> int:
+    def total_tokens(self) -> int:
+        """Prompt plus output tokens over all requests (each request's whole context)."""
         return sum(len(r.prompt) + len(r.output) for r in self.requests)
 
 

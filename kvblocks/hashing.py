@@ -159,7 +159,11 @@ def _bad_token(tokens: Sequence[object]) -> InvalidTokenError:
 
 
 def validate_block_hashes(hashes: Iterable[BlockHash]) -> list[BlockHash]:
-    """Return ``hashes`` as a new list, refusing anything but ints >= 0 or non-empty bytes."""
+    """Return ``hashes`` as a new list, refusing anything but distinct ints >= 0 or non-empty bytes.
+
+    The hashes of one sequence are one chain, so none may repeat: a repeat would make
+    the chain a cycle in the prefix tree.
+    """
     out = list(hashes)
     for index, h in enumerate(out):
         if isinstance(h, bytes):
@@ -171,6 +175,11 @@ def validate_block_hashes(hashes: Iterable[BlockHash]) -> list[BlockHash]:
             out[index] = int(h)
         else:
             raise InvalidBlockHashError(f"block hash at position {index} must be int or bytes, got {type(h).__name__}")
+    if len(set(out)) != len(out):
+        first_seen: dict[BlockHash, int] = {}
+        for index, h in enumerate(out):
+            if first_seen.setdefault(h, index) != index:
+                raise InvalidBlockHashError(f"block hash at position {index} repeats an earlier one: not a chain")
     return out
 
 

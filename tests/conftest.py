@@ -7,6 +7,12 @@ from typing import Any
 from kvblocks import KVCacheManager
 
 
+def assert_unchanged(m: KVCacheManager, before: dict[str, Any]) -> None:
+    """An error path left everything as it was, statistics included, and every invariant holds."""
+    assert manager_snapshot(m) == before
+    m.check_integrity()
+
+
 def manager_snapshot(m: KVCacheManager) -> dict[str, Any]:
     """Everything an error path must leave untouched: pool states and orders, tree, sequences, stats."""
     pool, tree = m.pool, m.tree

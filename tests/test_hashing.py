@@ -364,6 +364,8 @@ def test_precomputed_hashes_are_validated() -> None:
     assert ok.hashes == [1, 2, b"\x03"] and ok.num_tokens == 50
     with pytest.raises(InvalidBlockHashError, match="exactly 3"):
         PrecomputedHashes([1, 2], 50, 16)
+    with pytest.raises(InvalidBlockHashError, match="position 2 repeats"):
+        PrecomputedHashes([1, 2, 1], 50, 16)
     for bad in ([-1, 2, 3], [1.5, 2, 3], [b"", 2, 3], [True, 2, 3]):
         with pytest.raises(InvalidBlockHashError):
             PrecomputedHashes(bad, 50, 16)

@@ -38,11 +38,18 @@ RATIOS = [
     ),
     Ratio("lifecycle-chat", "kvblocks", "floor", 0.5, "speed relative to the dict+deque floor (0.5 = 2x slower)"),
     Ratio("lifecycle-hashes", "kvblocks", "floor", 0.5, "speed relative to the dict+deque floor (0.5 = 2x slower)"),
+    Ratio("lookup-2k", "kvblocks", "floor", None, "one lookup, 128 cached blocks"),
+    Ratio("admit-free-2k", "kvblocks", "floor", None, "admission with 128 hits + free"),
+    Ratio("decode-step", "kvblocks", "floor", None, "append + allocate + commit of one token"),
 ]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--kvblocks-ratios", default=None, help="write the benchmark ratios as JSON to this path")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:9.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:9.3f} us"
 
 
 def _finished(config: pytest.Config) -> list:
@@ -99,7 +106,7 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         target = "" if row["target"] is None else f">= {row['target']:.2f}"
         tr.write_line(
             f"{row['group']:<18} {row['subject']:<24} vs {row['baseline']:<16} "
-            f"{row['subject_median_s'] * 1e3:10.3f} ms vs {row['baseline_median_s'] * 1e3:10.3f} ms  "
+            f"{_duration(row['subject_median_s'])} vs {_duration(row['baseline_median_s'])}  "
             f"ratio {row['ratio']:6.2f} {target:>8} {row['verdict']}"
         )
     throughput = _throughput_lines(config)

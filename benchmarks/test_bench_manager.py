@@ -68,3 +68,65 @@ def test_kvblocks_evicts_on_this_workload() -> None:
     assert m.stats.evicted_blocks > 0
     assert WORKLOAD.working_set_blocks > POOL
     m.check_integrity()
+
+
+# ---------------------------------------------------------------- single hot calls
+
+PROMPT_2K = WORKLOAD.requests[-1].prompt[:2048]
+
+
+def _warm(subject: str):
+    """A manager whose cache holds PROMPT_2K, plus a registered sequence sharing it."""
+    m = MANAGERS[subject](4096)
+    m.add_sequence("warm", PROMPT_2K)
+    m.allocate("warm", len(PROMPT_2K))
+    m.commit("warm", len(PROMPT_2K))
+    m.free("warm")
+    m.add_sequence("probe", PROMPT_2K + [1])
+    return m
+
+
+@pytest.mark.parametrize("subject", list(MANAGERS))
+def test_lookup_2k(benchmark, subject: str) -> None:
+    """``lookup`` of a 2k-token prompt whose 128 blocks are all cached."""
+    m = _warm(subject)
+    benchmark.group = "lookup-2k"
+    benchmark.extra_info["subject"] = subject
+    assert benchmark(m.lookup, "probe").device == 2048
+
+
+@pytest.mark.parametrize("subject", list(MANAGERS))
+def test_admit_and_free_2k(benchmark, subject: str) -> None:
+    """Admission of a 2k-token prompt with 128 cached blocks (touch them, one new block), then free."""
+    m = _warm(subject)
+    benchmark.group = "admit-free-2k"
+    benchmark.extra_info["subject"] = subject
+
+    def cycle() -> int:
+        table = m.allocate("probe", 1)
+        m.free("probe")
+        m.add_sequence("probe", PROMPT_2K + [1])
+        return len(table)
+
+    assert benchmark(cycle) == 129
+
+
+@pytest.mark.parametrize("subject", list(MANAGERS))
+def test_decode_step(benchmark, subject: str) -> None:
+    """One decode step of a running sequence: append the sampled token, allocate, commit."""
+    m = MANAGERS[subject](1 << 16)
+    m.add_sequence("d", PROMPT_2K)
+    m.allocate("d", len(PROMPT_2K))
+    m.commit("d", len(PROMPT_2K))
+    state = {"n": len(PROMPT_2K)}
+    benchmark.group = "decode-step"
+    benchmark.extra_info["subject"] = subject
+
+    def step() -> None:
+        m.append_tokens("d", (7,))
+        m.allocate("d", 1)
+        state["n"] += 1
+        m.commit("d", state["n"])
+
+    benchmark.pedantic(step, rounds=20_000, iterations=1, warmup_rounds=100)
+    assert state["n"] > len(PROMPT_2K)

@@ -70,7 +70,8 @@ def _throughput_lines(config: pytest.Config) -> list[str]:
             median = bench.stats.median
             lines.append(
                 f"{bench.group:<18} {info['subject']:<10} {info['requests'] / median:10.0f} requests/s "
-                f"{median / info['blocks'] * 1e6:8.3f} us/block  ({info['requests']} requests, {info['blocks']} blocks, "
+                f"{median / info['blocks'] * 1e6:8.3f} us/block  "
+                f"({info['requests']} requests, {info['blocks']} blocks, "
                 f"pool {info['pool_blocks']} of a {info['working_set_blocks']}-block working set)"
             )
     return lines

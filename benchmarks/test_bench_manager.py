@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvblocks import KVCacheManager, block_hashes
@@ -72,7 +74,7 @@ def test_kvblocks_evicts_on_this_workload() -> None:
 
 # ---------------------------------------------------------------- single hot calls
 
-PROMPT_2K = WORKLOAD.requests[-1].prompt[:2048]
+PROMPT_2K = [random.Random(7).randrange(50_000) for _ in range(2048)]
 
 
 def _warm(subject: str):

@@ -10,6 +10,7 @@ numbers knows it missed events and must resynchronise.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from kvblocks.errors import ConfigError
 from kvblocks.hashing import BlockHash
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventRecord", "EventSink", "KVEvent"]
+
+_log = logging.getLogger("kvblocks.events")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +73,12 @@ class EventSink:
 
     ``capacity`` bounds the polling buffer: when it is full the oldest record is
     dropped (a poller then sees a gap). Subscribers are called synchronously, in
-    subscription order, and must not raise.
+    subscription order. A subscriber that raises is logged and counted in
+    ``subscriber_errors``; the exception never reaches the cache operation that
+    emitted the event, which has already changed the cache.
     """
 
-    __slots__ = ("_buffer", "_clock", "_next_seq", "_subscribers")
+    __slots__ = ("_buffer", "_clock", "_next_seq", "_subscribers", "subscriber_errors")
 
     def __init__(self, capacity: int = 65536, *, clock: Callable[[], float] = time.time) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
@@ -82,6 +87,7 @@ class EventSink:
         self._buffer: deque[EventRecord] = deque(maxlen=capacity)
         self._subscribers: list[Callable[[EventRecord], None]] = []
         self._clock = clock
+        self.subscriber_errors = 0
 
     @property
     def next_seq(self) -> int:
@@ -103,7 +109,11 @@ class EventSink:
         self._next_seq += 1
         self._buffer.append(record)
         for callback in self._subscribers:
-            callback(record)
+            try:
+                callback(record)
+            except Exception:
+                self.subscriber_errors += 1
+                _log.exception("KV event subscriber %r failed on event %d", callback, record.seq)
         return record
 
     def drain(self) -> list[EventRecord]:

@@ -113,7 +113,7 @@ class BlockPool:
     def take_fresh(self, count: int) -> list[int]:
         """Hand out ``count`` fresh blocks (FRESH -> IN USE, ref 1), in queue order."""
         fresh = self._fresh
-        if count < 0 or count > len(fresh):
+        if type(count) is not int or count < 0 or count > len(fresh):
             raise InvalidArgumentError(f"cannot take {count} fresh blocks: {len(fresh)} are fresh")
         ref = self._ref
         popleft = fresh.popleft

@@ -7,10 +7,12 @@ whole prefix, a node's parent is simply the node of the previous hash::
     nodes (block ids)      [5] ─ [9] ─ [2]            h3 not cached
     match(h0..h3)      ->  blocks (5, 9, 2): a 3-block prefix
 
-Invariants (checked by :meth:`check_integrity`):
+Invariants:
 
-* every node's parent is a node (a cached suffix never outlives its prefix);
-* eviction removes leaves only, least recently released first.
+* every node's parent is a node, so a cached suffix never outlives its prefix
+  (:meth:`check_integrity` verifies it);
+* eviction removes leaves only, least recently released first (by construction:
+  a block with cached children is never chosen).
 
 Eviction order comes from the pool's idle LRU (blocks in the order their last
 holder released them). The manager releases a sequence's blocks tail first and a
@@ -109,9 +111,9 @@ class PrefixTree:
         return self._hash_of[block]
 
     def parent_of(self, block: int) -> int | None:
-        """The block holding the previous hash of ``block``'s chain (None for a chain's first block)."""
+        """The node holding the previous hash of node ``block``'s chain (None: a chain's first block, or no node)."""
         p = self._parent_of[block]
-        return None if p == self._root else p
+        return None if p == self._root or self._hash_of[block] is None else p
 
     def num_children(self, block: int) -> int:
         return self._num_children[block]
@@ -119,7 +121,7 @@ class PrefixTree:
     def match_length(self, hashes: Sequence[BlockHash], limit: int | None = None) -> int:
         """How many leading ``hashes`` (at most ``limit``) are cached. Pure."""
         block_of = self._block_of
-        stop = len(hashes) if limit is None else min(limit, len(hashes))
+        stop = len(hashes) if limit is None else max(0, min(limit, len(hashes)))
         n = 0
         for h in hashes if stop == len(hashes) else islice(hashes, stop):
             if h not in block_of:
@@ -130,7 +132,7 @@ class PrefixTree:
     def matched_blocks(self, hashes: Sequence[BlockHash], limit: int | None = None) -> list[int]:
         """Block ids of the longest cached prefix of ``hashes`` (at most ``limit`` blocks). Pure."""
         get = self._block_of.get
-        stop = len(hashes) if limit is None else min(limit, len(hashes))
+        stop = len(hashes) if limit is None else max(0, min(limit, len(hashes)))
         out: list[int] = []
         append = out.append
         for h in hashes if stop == len(hashes) else islice(hashes, stop):
@@ -245,8 +247,8 @@ class PrefixTree:
         Fewer than ``count`` come back only when no idle block is left. Emits one
         ``BlockRemoved`` for the batch.
         """
-        if count < 0:
-            raise InvalidArgumentError(f"cannot evict {count} blocks")
+        if type(count) is not int or count < 0:
+            raise InvalidArgumentError(f"cannot evict {count!r} blocks")
         pool = self.pool
         idle = pool._idle  # package-private: the tree is the pool's content index
         fresh_append = pool._fresh.append

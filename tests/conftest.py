@@ -1,10 +1,16 @@
-"""Shared test helpers: a full snapshot of a manager's observable state."""
+"""Shared test settings and helpers: a full snapshot of a manager's observable state."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import settings
+
 from kvblocks import KVCacheManager
+
+# No per-example deadline: CI machines are shared and slow at times; a slow example is not a failure.
+settings.register_profile("kvblocks", deadline=None, print_blob=True)
+settings.load_profile("kvblocks")
 
 
 def assert_unchanged(m: KVCacheManager, before: dict[str, Any]) -> None:

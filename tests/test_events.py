@@ -34,3 +34,25 @@ def test_a_full_buffer_drops_the_oldest_and_leaves_a_visible_gap() -> None:
 def test_bad_capacity(bad) -> None:
     with pytest.raises(ConfigError):
         EventSink(capacity=bad)
+
+
+def test_a_failing_subscriber_cannot_break_the_cache(caplog) -> None:
+    """The tree has changed by the time it emits; a subscriber's exception must not abort the caller."""
+    from kvblocks import KVCacheManager
+
+    sink = EventSink()
+    seen: list = []
+
+    def broken(record) -> None:
+        raise RuntimeError("subscriber bug")
+
+    sink.subscribe(broken)
+    sink.subscribe(seen.append)  # later subscribers still get the event
+    m = KVCacheManager(num_blocks=4, block_size=2, event_sink=sink)
+    m.add_sequence("a", [1, 2, 3])
+    m.allocate("a", 3)
+    m.commit("a", 3)  # emits BlockStored: the broken subscriber raises inside
+    m.check_integrity()
+    assert m.num_computed_tokens("a") == 3 and len(m.tree) == 1
+    assert sink.subscriber_errors == 1 and len(seen) == 1
+    assert "subscriber bug" in caplog.text

@@ -130,11 +130,17 @@ def pack_tokens(token_ids: Iterable[int]) -> array[int]:
         return _pack_ndarray(token_ids)
     if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
         raise InvalidTokenError(f"token ids must be a sequence of integers, got {type(token_ids).__name__}")
+    if not isinstance(token_ids, (list, tuple, array, range)):
+        try:  # an iterator can be read once: keep what it yields, to report a bad position
+            token_ids = list(token_ids)
+        except TypeError:
+            raise InvalidTokenError(
+                f"token ids must be a sequence of integers, got {type(token_ids).__name__}"
+            ) from None
     try:
         return array("I", token_ids)
     except (OverflowError, TypeError):
-        pass
-    raise _bad_token(list(token_ids) if not isinstance(token_ids, Sequence) else token_ids)
+        raise _bad_token(token_ids) from None
 
 
 def _pack_ndarray(arr: np.ndarray) -> array[int]:
@@ -500,19 +506,15 @@ class HashedTokens:
     def __init__(self, hasher: BlockHasher, token_ids: Iterable[int] = (), extras: BlockExtras | None = None):
         self._hasher = hasher
         self._framer = extras.framer(hasher.block_size) if extras is not None else None
-        self._tokens = array("I")
+        self._tokens = pack_tokens(token_ids)  # a fresh array: the caller's list is never referenced
         self.hashes: list[BlockHash] = []
         """Chained hashes of the full blocks so far (read-only for callers)."""
         self.num_tokens = 0
-        self.extend_packed(pack_tokens(token_ids))
+        self._hash_new_blocks()
 
     @property
     def token_ids(self) -> tuple[int, ...]:
         return tuple(self._tokens)
-
-    def tokens_of_block(self, index: int) -> tuple[int, ...]:
-        size = self._hasher.block_size
-        return tuple(self._tokens[index * size : (index + 1) * size])
 
     def extend(self, token_ids: Iterable[int]) -> int:
         """Append tokens; return how many new full blocks were hashed."""
@@ -520,8 +522,11 @@ class HashedTokens:
         return self.extend_packed(packed)
 
     def extend_packed(self, packed: array[int]) -> int:
+        self._tokens.extend(packed)
+        return self._hash_new_blocks()
+
+    def _hash_new_blocks(self) -> int:
         tokens = self._tokens
-        tokens.extend(packed)
         self.num_tokens = len(tokens)
         hashes = self.hashes
         done = len(hashes)

@@ -292,7 +292,13 @@ def test_bad_tokens_name_their_position(tokens, position: int) -> None:
         block_hashes(tokens, 2)
 
 
-@pytest.mark.parametrize("tokens", [np.array([1.0, 2.0]), np.zeros((2, 2), dtype=np.int64), "1234", b"1234"])
+def test_iterators_of_tokens_are_accepted_and_errors_name_the_position() -> None:
+    assert block_hashes(iter(range(8)), 4) == block_hashes(list(range(8)), 4)
+    with pytest.raises(InvalidTokenError, match="position 3"):
+        block_hashes((t for t in [0, 1, 2, -3]), 2)
+
+
+@pytest.mark.parametrize("tokens", [np.array([1.0, 2.0]), np.zeros((2, 2), dtype=np.int64), "1234", b"1234", 5, None])
 def test_bad_token_containers_are_refused(tokens) -> None:
     with pytest.raises(InvalidTokenError):
         block_hashes(tokens, 2)

@@ -105,7 +105,6 @@ class _Sequence:
         "content",
         "num_committed",
         "num_covered",
-        "num_registered",
         "pins",
         "preempted",
         "table",
@@ -119,7 +118,6 @@ class _Sequence:
         self.pins: dict[int, int] | None = None  # position -> tree node pinned instead of a private duplicate
         self.num_covered = 0  # tokens the table has slots for
         self.num_committed = 0  # tokens whose KV is written (cached prefix included)
-        self.num_registered = 0  # leading blocks known to the tree (cached, inserted or pinned)
         self.preempted = False
 
 
@@ -366,7 +364,6 @@ class KVCacheManager:
         s.view = BlockTable(matched)
         s.num_covered = covered
         s.num_committed = hits * size
-        s.num_registered = hits
         cached = CachedTokens(device=hits * size, num_prompt_tokens=s.content.num_tokens)
         self._counters.record(cached, readmission=s.preempted)
         return s.view
@@ -405,13 +402,14 @@ class KVCacheManager:
                 f"{min(s.num_covered, content.num_tokens)}] (last commit {s.num_committed}, "
                 f"{s.num_covered} tokens allocated, {content.num_tokens} tokens known)"
             )
+        # Blocks fully below the old line are already in the tree (inserted, hit or pinned);
+        # those newly below the new line go in now.
+        start = s.num_committed // self._block_size
         full = n // self._block_size
-        start = s.num_registered
         if full > start and self._caching:
             existing = self._tree.insert(content.hashes, table, start, full)
             if existing:
                 self._pin_duplicates(s, start, existing)
-            s.num_registered = full
         s.num_committed = n
 
     def _pin_duplicates(self, s: _Sequence, start: int, existing: list[int]) -> None:
@@ -465,7 +463,7 @@ class KVCacheManager:
         s.table = None
         s.view = None
         s.pins = None
-        s.num_covered = s.num_committed = s.num_registered = 0
+        s.num_covered = s.num_committed = 0
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (after a weight update, say). Refused (False) while any block is in use."""
@@ -499,7 +497,7 @@ class KVCacheManager:
         for seq_id, s in self._seqs.items():
             table = s.table
             if table is None:
-                if s.pins or s.num_covered or s.num_committed or s.num_registered:
+                if s.pins or s.num_covered or s.num_committed:
                     raise IntegrityError(f"sequence {seq_id!r} is not admitted but carries table state")
                 continue
             hashes = s.content.hashes
@@ -509,20 +507,18 @@ class KVCacheManager:
                 raise IntegrityError(f"sequence {seq_id!r} holds a block twice: {table}")
             if not s.num_committed <= min(s.num_covered, s.content.num_tokens):
                 raise IntegrityError(f"sequence {seq_id!r} committed {s.num_committed} beyond its tokens or slots")
-            registered = s.num_committed // size if self._caching else 0
-            if s.num_registered != registered:
-                raise IntegrityError(f"sequence {seq_id!r} registered {s.num_registered} blocks, expected {registered}")
+            registered = s.num_committed // size if self._caching else 0  # blocks the tree must hold for it
             pins = s.pins or {}
             for position, block in enumerate(table):
                 expected[block] += 1
                 pinned = pins.get(position)
                 if pinned is not None:
                     expected[pinned] += 1
-                if position < s.num_registered:
+                if position < registered:
                     node = tree.block_of(hashes[position])
                     if node is None or node != (block if pinned is None else pinned):
                         raise IntegrityError(f"sequence {seq_id!r} position {position}: cached node is {node}")
-            if any(p >= s.num_registered for p in pins):
+            if any(p >= registered for p in pins):
                 raise IntegrityError(f"sequence {seq_id!r} pins a position beyond its registered blocks")
         for block in range(pool.num_blocks):
             if pool.ref_count(block) != expected[block]:

@@ -31,7 +31,6 @@ def manager_snapshot(m: KVCacheManager) -> dict[str, Any]:
             dict(s.pins or {}),
             s.num_covered,
             s.num_committed,
-            s.num_registered,
             s.preempted,
         )
     return {

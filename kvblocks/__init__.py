@@ -15,6 +15,8 @@ from kvblocks.accounting import CachedTokens, CacheStats, HitCounters
 from kvblocks.config import CacheConfig
 from kvblocks.errors import (
     AccountingError,
+    AttachTimeoutError,
+    BackendUnavailableError,
     CommitOutOfRangeError,
     ConfigError,
     DoubleFreeError,
@@ -89,4 +91,6 @@ __all__ = [
     "InvalidBlockIdError",
     "AccountingError",
     "IntegrityError",
+    "BackendUnavailableError",
+    "AttachTimeoutError",
 ]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 __all__ = [
     "AccountingError",
+    "AttachTimeoutError",
+    "BackendUnavailableError",
     "CommitOutOfRangeError",
     "ConfigError",
     "DoubleFreeError",
@@ -86,3 +88,11 @@ class AccountingError(KVBlocksError, ValueError):
 
 class IntegrityError(KVBlocksError, RuntimeError):
     """``check_integrity`` found a broken invariant. This is always a kvblocks bug."""
+
+
+class BackendUnavailableError(KVBlocksError, RuntimeError):
+    """A tensor backend was asked for but cannot run here; the message names what is missing."""
+
+
+class AttachTimeoutError(KVBlocksError, TimeoutError):
+    """A runner waited for published KV caches longer than its timeout."""

@@ -1,0 +1,177 @@
+"""Moving blocks within and between caches: batched, never one small copy per block per layer.
+
+Every operation works on a cache's byte ``rows`` viewed as machine words:
+
+* ids that form long contiguous runs are moved as slices, one copy per run per row tensor;
+* scattered ids are moved with one ``index_select`` / ``index_copy_`` per row tensor -- one
+  for the whole cache when it is block-major, one per layer tensor when it is layer-major.
+
+A payload is a ``[k, bytes_per_block]`` uint8 tensor: block ``i``'s bytes in row ``i``, in the
+plane order of :meth:`KVCacheSpec.planes` -- what storage writes and networks send.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvblocks.backends.cache import KVCache, payload_words
+from kvblocks.errors import ConfigError, InvalidBlockIdError
+
+__all__ = [
+    "BlockIds",
+    "block_ids",
+    "contiguous_runs",
+    "copy_between",
+    "copy_within",
+    "gather_into",
+    "paired_runs",
+    "scatter_from",
+    "zero_blocks",
+]
+
+BlockIds = Sequence[int] | torch.Tensor
+
+_MIN_AVERAGE_RUN = 4  # slice copies win over one indexed copy once runs average this many blocks
+
+
+class _Ids:
+    """Validated block ids: as a Python list (for runs) and as an index tensor on the cache's device."""
+
+    __slots__ = ("_device", "_tensor", "runs", "values")
+
+    def __init__(self, values: list[int], device: torch.device) -> None:
+        self.values = values
+        self.runs = contiguous_runs(values)
+        self._device = device
+        self._tensor: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @property
+    def sliced(self) -> bool:
+        """Whether moving these ids run by run beats one indexed copy."""
+        return len(self.runs) * _MIN_AVERAGE_RUN <= len(self.values)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = torch.tensor(self.values, dtype=torch.long, device=self._device)
+        return self._tensor
+
+
+def block_ids(cache: KVCache, ids: BlockIds, *, what: str = "block ids", distinct: bool = False) -> _Ids:
+    """Check ``ids`` against ``cache`` (ints in range; no repeats when ``distinct``) before anything moves."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise InvalidBlockIdError(
+                f"{what} must be a 1-D integer tensor, got {ids.dtype} of shape {tuple(ids.shape)}"
+            )
+        values = [int(v) for v in ids.tolist()]
+    else:
+        values = list(ids)
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InvalidBlockIdError(f"{what} must be ints, got {v!r}")
+    if values and (min(values) < 0 or max(values) >= cache.num_blocks):
+        bad = next(v for v in values if not 0 <= v < cache.num_blocks)
+        raise InvalidBlockIdError(f"{what}: block {bad} is not in 0..{cache.num_blocks - 1}")
+    if distinct and len(set(values)) != len(values):
+        raise InvalidBlockIdError(f"{what} repeat a block: the result would depend on copy order")
+    return _Ids(values, cache.device)
+
+
+def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(first id, position in ids, length)`` of each run of consecutive ids.
+
+    >>> contiguous_runs([4, 5, 6, 9, 2, 3])
+    [(4, 0, 3), (9, 3, 1), (2, 4, 2)]
+    """
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((ids[start], start, i - start))
+            start = i
+    return runs
+
+
+def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src first, dst first, length)`` of each stretch where both id lists count up by one.
+
+    >>> paired_runs([4, 5, 6, 9], [0, 1, 2, 3])
+    [(4, 0, 3), (9, 3, 1)]
+    """
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(src) + 1):
+        if i == len(src) or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            runs.append((src[start], dst[start], i - start))
+            start = i
+    return runs
+
+
+def copy_between(src: KVCache, dst: KVCache, source: _Ids, target: _Ids, *, non_blocking: bool = False) -> bool:
+    """Copy run by run straight from ``src`` rows into ``dst`` rows, when that beats a staged payload.
+
+    It does when both caches share an arrangement (so their row tensors match) and the ids
+    pair up into long runs. Returns False, having copied nothing, otherwise.
+    """
+    if src.spec.block_major != dst.spec.block_major:
+        return False
+    runs = paired_runs(source.values, target.values)
+    if len(runs) * _MIN_AVERAGE_RUN > len(source.values):
+        return False
+    for src_rows, dst_rows in zip(src.rows, dst.rows):
+        for s, d, n in runs:
+            dst_rows[d : d + n].copy_(src_rows[s : s + n], non_blocking=non_blocking)
+    return True
+
+
+def check_payload(cache: KVCache, data: torch.Tensor, count: int) -> None:
+    expected = (count, cache.spec.bytes_per_block)
+    if data.dtype != torch.uint8 or tuple(data.shape) != expected:
+        raise ConfigError(f"payload must be a uint8 tensor of shape {expected}, got {data.dtype} {tuple(data.shape)}")
+    if data.stride(-1) != 1 or data.stride(0) != cache.spec.bytes_per_block:
+        raise ConfigError("payload must be contiguous")
+
+
+def gather_into(cache: KVCache, ids: _Ids, out: torch.Tensor) -> None:
+    """Copy blocks ``ids`` of ``cache`` into payload ``out`` (same device), row ``i`` <- block ``ids[i]``."""
+    for r, rows in enumerate(cache.rows):
+        dst = payload_words(cache, out, r)
+        if ids.sliced:
+            for first, at, length in ids.runs:
+                dst[at : at + length].copy_(rows[first : first + length])
+        else:
+            torch.index_select(rows, 0, ids.tensor, out=dst)
+
+
+def scatter_from(cache: KVCache, ids: _Ids, data: torch.Tensor) -> None:
+    """Copy payload ``data`` (same device) into blocks ``ids`` of ``cache``, block ``ids[i]`` <- row ``i``."""
+    for r, rows in enumerate(cache.rows):
+        src = payload_words(cache, data, r)
+        if ids.sliced:
+            for first, at, length in ids.runs:
+                rows[first : first + length].copy_(src[at : at + length])
+        else:
+            rows.index_copy_(0, ids.tensor, src)
+
+
+def copy_within(cache: KVCache, src: _Ids, dst: _Ids) -> None:
+    """Copy blocks ``src[i]`` -> ``dst[i]`` inside one cache; overlapping sets are read before written."""
+    staging = torch.empty((len(src), cache.spec.bytes_per_block), dtype=torch.uint8, device=cache.device)
+    gather_into(cache, src, staging)
+    scatter_from(cache, dst, staging)
+
+
+def zero_blocks(cache: KVCache, ids: _Ids) -> None:
+    """Fill blocks ``ids`` with zero bytes (every layer, K, V and scales)."""
+    for rows in cache.rows:
+        if ids.sliced:
+            for first, _, length in ids.runs:
+                rows[first : first + length].zero_()
+        else:
+            rows.index_fill_(0, ids.tensor, 0)

@@ -32,7 +32,7 @@ def _builtin() -> dict[str, BackendFactory]:
 
 
 def register_backend(name: str, factory: BackendFactory, *, replace: bool = False) -> None:
-    """Make ``get_backend(name)`` (and ``name:N``) build a backend with ``factory(device)``."""
+    """Make ``get_backend(name)`` build a backend with ``factory()``, and ``name:N`` with ``factory("name:N")``."""
     if not isinstance(name, str) or not name or ":" in name or name == "auto":
         raise ConfigError(f"a backend name must be a non-empty str without ':' and not 'auto', got {name!r}")
     if not callable(factory):

@@ -20,13 +20,15 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import mmap
+import os
 import pickle
 import struct
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 import torch
@@ -91,13 +93,32 @@ def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
     return buf
 
 
-def _open_untracked(name: str) -> shared_memory.SharedMemory:
-    """Open an existing segment without letting this process's resource tracker unlink it at exit."""
-    shm = shared_memory.SharedMemory(name=name)
-    # Python < 3.13 registers attached segments too, and would destroy the owner's memory at exit.
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
+class _Mapping:
+    """An existing POSIX shared-memory segment mapped read-write, *without* a resource tracker.
+
+    ``SharedMemory(name)`` would register the segment with this process's resource tracker
+    (before Python 3.13), which unlinks it when the process exits -- destroying the owner's
+    caches -- or, when the tracker is shared with the owner, drops the owner's registration.
+    An attacher therefore maps the segment itself.
+    """
+
+    def __init__(self, name: str) -> None:
+        import _posixshmem  # type: ignore[import-not-found]  # what SharedMemory itself uses on POSIX
+
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+        self.name = name
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+
+    def unlink(self) -> None:  # only owners unlink
+        raise AssertionError("an attacher never unlinks")  # pragma: no cover
 
 
 class SharedCaches:
@@ -107,7 +128,7 @@ class SharedCaches:
     :meth:`close`); an attacher gets one too and closes it without unlinking.
     """
 
-    def __init__(self, caches: tuple[KVCache, ...], segments: list[shared_memory.SharedMemory], owner: bool) -> None:
+    def __init__(self, caches: tuple[KVCache, ...], segments: list[Any], owner: bool) -> None:
         self.caches = caches
         self._segments = segments
         self._owner = owner
@@ -190,18 +211,18 @@ def attach_shared(name: str, *, timeout: float, poll: float = 0.001, max_poll: f
     while True:
         if mailbox is None:
             try:
-                mailbox = _open_untracked(_mailbox_name(name))
+                mailbox = _Mapping(_mailbox_name(name))
             except FileNotFoundError:
                 mailbox = None
         if mailbox is not None:
-            magic, version, state, length = _HEADER.unpack_from(_buffer(mailbox), 0)
+            magic, version, state, length = _HEADER.unpack_from(mailbox.buf, 0)
             if magic == _MAGIC and state == _READY:
                 if version != _VERSION:
                     mailbox.close()
                     raise ConfigError(
                         f"shared caches {name!r} use format version {version}, this kvblocks reads {_VERSION}"
                     )
-                body = bytes(_buffer(mailbox)[_HEADER.size : _HEADER.size + length])
+                body = bytes(mailbox.buf[_HEADER.size : _HEADER.size + length])
                 break
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -216,9 +237,9 @@ def attach_shared(name: str, *, timeout: float, poll: float = 0.001, max_poll: f
         spec = KVCacheSpec(**entry["spec"])
         num_blocks = entry["num_blocks"]
         if entry["transport"] == "shm":
-            shm = _open_untracked(_data_name(name, index))
-            segments.append(shm)
-            storage = torch.frombuffer(shm.buf, dtype=torch.uint8, count=num_blocks * spec.bytes_per_block)
+            mapping = _Mapping(_data_name(name, index))
+            segments.append(mapping)
+            storage = torch.frombuffer(mapping.buf, dtype=torch.uint8, count=num_blocks * spec.bytes_per_block)
         else:
             rebuild, args = pickle.loads(base64.b64decode(entry["ipc"]))
             storage = rebuild(*args)

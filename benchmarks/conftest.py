@@ -41,6 +41,22 @@ RATIOS = [
     Ratio("lookup-2k", "kvblocks", "floor", None, "one lookup, 128 cached blocks"),
     Ratio("admit-free-2k", "kvblocks", "floor", None, "admission with 128 hits + free"),
     Ratio("decode-step", "kvblocks", "floor", None, "append + allocate + commit of one token"),
+    *(
+        Ratio(f"cpu-move-{shape}", op, "contiguous copy", 0.7, "share of one contiguous copy's bandwidth")
+        for shape in ("2MiB", "128KiB", "64KiB")
+        for op in ("gather", "scatter")
+    ),
+    *(
+        Ratio(f"cpu-move-{shape}", "transfer block-major", "contiguous copy", 0.7, "cache to cache, scattered ids")
+        for shape in ("2MiB", "64KiB")
+    ),
+    *(
+        Ratio(f"cpu-move-{shape}", "transfer layer-major", "contiguous copy", None, "cache to cache, scattered ids")
+        for shape in ("2MiB", "64KiB")
+    ),
+    Ratio("cuda-host-2MiB", "to device", "contiguous to device", 0.8, "share of one contiguous pinned copy"),
+    Ratio("cuda-host-2MiB", "to host", "contiguous to host", 0.8, "share of one contiguous pinned copy"),
+    Ratio("cuda-device-2MiB", "copy_blocks", "contiguous copy", 0.7, "share of one contiguous device copy"),
 ]
 
 

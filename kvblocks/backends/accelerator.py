@@ -20,7 +20,7 @@ import torch
 
 from kvblocks.backends.base import TorchBackend, TransferHandle
 from kvblocks.backends.cache import KVCache
-from kvblocks.backends.movement import BlockIds, copy_between, gather_into, scatter_from
+from kvblocks.backends.movement import copy_between, gather_into, scatter_from
 from kvblocks.errors import BackendUnavailableError
 
 __all__ = ["AcceleratorBackend"]
@@ -67,12 +67,7 @@ class AcceleratorBackend(TorchBackend):
     def synchronize(self) -> None:
         self.device_module().synchronize(self._device)
 
-    def transfer(
-        self, src: KVCache, dst: KVCache, src_ids: BlockIds, dst_ids: BlockIds, *, non_blocking: bool = False
-    ) -> TransferHandle:
-        source, target = self._transfer_ids(src, dst, src_ids, dst_ids)
-        if not len(source):
-            return TransferHandle()
+    def _move(self, src: KVCache, dst: KVCache, source: Any, target: Any, *, non_blocking: bool) -> TransferHandle:
         module = self.device_module()
         stream = self._stream()
         stream.wait_stream(module.current_stream(self._device))  # the source blocks were written before this call

@@ -23,6 +23,7 @@ from kvblocks.backends.movement import (
     block_ids,
     check_payload,
     copy_between,
+    copy_staged,
     copy_within,
     gather_into,
     scatter_from,
@@ -102,8 +103,11 @@ class Backend(ABC):
         """Copy blocks between caches of one spec on different devices (device <-> host)."""
 
     @abstractmethod
-    def gather(self, cache: KVCache, ids: BlockIds) -> torch.Tensor:
-        """A contiguous ``[len(ids), bytes_per_block]`` uint8 payload of the blocks, on the cache's device."""
+    def gather(self, cache: KVCache, ids: BlockIds, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A contiguous ``[len(ids), bytes_per_block]`` uint8 payload of the blocks, on the cache's device.
+
+        With ``out`` (such a tensor, reused by the caller) the payload is written there.
+        """
 
     @abstractmethod
     def scatter(self, cache: KVCache, ids: BlockIds, data: torch.Tensor) -> None:
@@ -121,8 +125,12 @@ class Backend(ABC):
 class TorchBackend(Backend):
     """Plain torch on one device; every operation completes before it returns."""
 
+    SCRATCH_BYTES = 4 << 20
+    """Size of the reusable staging buffer for same-device copies: a few MiB stay in the CPU's cache."""
+
     def __init__(self, device: str | torch.device) -> None:
         self._device = torch.device(device)
+        self._scratch_buffer: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -158,10 +166,15 @@ class TorchBackend(Backend):
         if cache.device != self._device:
             raise ConfigError(f"cache lives on {cache.device}, this backend on {self._device}")
 
-    def gather(self, cache: KVCache, ids: BlockIds) -> torch.Tensor:
+    def gather(self, cache: KVCache, ids: BlockIds, *, out: torch.Tensor | None = None) -> torch.Tensor:
         self._own(cache)
         index = block_ids(cache, ids)
-        out = torch.empty((len(index), cache.spec.bytes_per_block), dtype=torch.uint8, device=cache.device)
+        if out is None:
+            out = torch.empty((len(index), cache.spec.bytes_per_block), dtype=torch.uint8, device=cache.device)
+        else:
+            check_payload(cache, out, len(index))
+            if out.device != cache.device:
+                raise ConfigError(f"out is on {out.device}, the cache on {cache.device}")
         gather_into(cache, index, out)
         return out
 
@@ -179,8 +192,10 @@ class TorchBackend(Backend):
         dst = block_ids(cache, dst_ids, what="destination block ids", distinct=True)
         if len(src) != len(dst):
             raise ConfigError(f"{len(src)} source blocks but {len(dst)} destination blocks")
-        if len(src):
-            copy_within(cache, src, dst)
+        if not len(src) or copy_between(cache, cache, src, dst):
+            return
+        if not set(src.values).isdisjoint(dst.values) or not copy_staged(cache, cache, src, dst, self._scratch()):
+            copy_within(cache, src, dst)  # overlapping: read everything before writing anything
 
     def zero(self, cache: KVCache, ids: BlockIds) -> None:
         self._own(cache)
@@ -190,11 +205,26 @@ class TorchBackend(Backend):
         self, src: KVCache, dst: KVCache, src_ids: BlockIds, dst_ids: BlockIds, *, non_blocking: bool = False
     ) -> TransferHandle:
         source, target = self._transfer_ids(src, dst, src_ids, dst_ids)
-        if len(source) and not copy_between(src, dst, source, target):
-            payload = torch.empty((len(source), src.spec.bytes_per_block), dtype=torch.uint8, device=src.device)
-            gather_into(src, source, payload)
-            scatter_from(dst, target, payload.to(dst.device))
+        if not len(source):
+            return TransferHandle()
+        return self._move(src, dst, source, target, non_blocking=non_blocking)
+
+    def _move(self, src: KVCache, dst: KVCache, source: Any, target: Any, *, non_blocking: bool) -> TransferHandle:
+        """Carry out a validated transfer: run by run when the ids pair up, else staged through a payload."""
+        if copy_between(src, dst, source, target):
+            return TransferHandle()
+        if src.device == dst.device and copy_staged(src, dst, source, target, self._scratch()):
+            return TransferHandle()
+        payload = torch.empty((len(source), src.spec.bytes_per_block), dtype=torch.uint8, device=src.device)
+        gather_into(src, source, payload)
+        scatter_from(dst, target, payload.to(dst.device))
         return TransferHandle()
+
+    def _scratch(self) -> torch.Tensor:
+        """A reusable staging buffer of ``SCRATCH_BYTES`` on this device (synchronous use only)."""
+        if self._scratch_buffer is None:
+            self._scratch_buffer = torch.empty(self.SCRATCH_BYTES, dtype=torch.uint8, device=self._device)
+        return self._scratch_buffer
 
     def _transfer_ids(self, src: KVCache, dst: KVCache, src_ids: BlockIds, dst_ids: BlockIds) -> tuple[Any, Any]:
         """Validate a transfer: one spec on both sides, this backend's device on at least one."""

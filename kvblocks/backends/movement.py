@@ -24,6 +24,7 @@ __all__ = [
     "block_ids",
     "contiguous_runs",
     "copy_between",
+    "copy_staged",
     "copy_within",
     "gather_into",
     "paired_runs",
@@ -39,21 +40,34 @@ _MIN_AVERAGE_RUN = 4  # slice copies win over one indexed copy once runs average
 class _Ids:
     """Validated block ids: as a Python list (for runs) and as an index tensor on the cache's device."""
 
-    __slots__ = ("_device", "_tensor", "runs", "values")
+    __slots__ = ("_device", "_runs", "_tensor", "values")
 
     def __init__(self, values: list[int], device: torch.device) -> None:
         self.values = values
-        self.runs = contiguous_runs(values)
         self._device = device
+        self._runs: list[tuple[int, int, int]] | None = None
         self._tensor: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.values)
 
+    def part(self, start: int, stop: int) -> _Ids:
+        """The ids at positions ``start:stop`` (sharing the index tensor, if one was built)."""
+        piece = _Ids(self.values[start:stop], self._device)
+        if self._tensor is not None:
+            piece._tensor = self._tensor[start:stop]
+        return piece
+
+    @property
+    def runs(self) -> list[tuple[int, int, int]]:
+        if self._runs is None:
+            self._runs = contiguous_runs(self.values)
+        return self._runs
+
     @property
     def sliced(self) -> bool:
         """Whether moving these ids run by run beats one indexed copy."""
-        return len(self.runs) * _MIN_AVERAGE_RUN <= len(self.values)
+        return _few_runs(self.values, self.values)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -98,6 +112,18 @@ def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _few_runs(src: Sequence[int], dst: Sequence[int]) -> bool:
+    """Whether the id pairs form runs averaging at least ``_MIN_AVERAGE_RUN`` (stops counting early)."""
+    allowed = len(src) // _MIN_AVERAGE_RUN
+    breaks = 0
+    for i in range(1, len(src)):
+        if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            breaks += 1
+            if breaks >= allowed:
+                return False
+    return len(src) > 0 and breaks + 1 <= allowed
+
+
 def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(src first, dst first, length)`` of each stretch where both id lists count up by one.
 
@@ -119,11 +145,9 @@ def copy_between(src: KVCache, dst: KVCache, source: _Ids, target: _Ids, *, non_
     It does when both caches share an arrangement (so their row tensors match) and the ids
     pair up into long runs. Returns False, having copied nothing, otherwise.
     """
-    if src.spec.block_major != dst.spec.block_major:
+    if src.spec.block_major != dst.spec.block_major or not _few_runs(source.values, target.values):
         return False
     runs = paired_runs(source.values, target.values)
-    if len(runs) * _MIN_AVERAGE_RUN > len(source.values):
-        return False
     for src_rows, dst_rows in zip(src.rows, dst.rows):
         for s, d, n in runs:
             dst_rows[d : d + n].copy_(src_rows[s : s + n], non_blocking=non_blocking)
@@ -165,6 +189,29 @@ def copy_within(cache: KVCache, src: _Ids, dst: _Ids) -> None:
     staging = torch.empty((len(src), cache.spec.bytes_per_block), dtype=torch.uint8, device=cache.device)
     gather_into(cache, src, staging)
     scatter_from(cache, dst, staging)
+
+
+def copy_staged(src: KVCache, dst: KVCache, source: _Ids, target: _Ids, scratch: torch.Tensor) -> bool:
+    """Copy ``source[i]`` -> ``target[i]`` row tensor by row tensor through ``scratch`` (uint8), a chunk at a time.
+
+    Each chunk is read with one ``index_select`` into the scratch and written with one
+    ``index_copy_``; with a scratch of a few MiB the second pass reads from the CPU's cache,
+    so both passes cost about one pass over memory. Needs both caches in one arrangement
+    (returns False, having copied nothing, otherwise) and disjoint source and target blocks:
+    a later chunk must not read a block an earlier chunk already overwrote.
+    """
+    if src.spec.block_major != dst.spec.block_major:
+        return False
+    for src_rows, dst_rows in zip(src.rows, dst.rows):
+        words = src_rows.shape[1]
+        per = max(1, scratch.numel() // (words * src_rows.element_size()))
+        buffer = scratch[: per * words * src_rows.element_size()].view(src_rows.dtype).view(per, words)
+        for start in range(0, len(source), per):
+            stop = min(start + per, len(source))
+            chunk = buffer[: stop - start]
+            torch.index_select(src_rows, 0, source.part(start, stop).tensor, out=chunk)
+            dst_rows.index_copy_(0, target.part(start, stop).tensor, chunk)
+    return True
 
 
 def zero_blocks(cache: KVCache, ids: _Ids) -> None:

@@ -13,6 +13,19 @@ settings.register_profile("kvblocks", deadline=None, print_blob=True)
 settings.load_profile("kvblocks")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked ``cuda`` skip, saying so, where no CUDA GPU is visible."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 def assert_unchanged(m: KVCacheManager, before: dict[str, Any]) -> None:
     """An error path left everything as it was, statistics included, and every invariant holds."""
     assert manager_snapshot(m) == before

@@ -275,3 +275,41 @@ def test_get_backend_cpu_variants() -> None:
     assert isinstance(get_backend("cpu"), CPUBackend)
     assert get_backend("cpu:0").device == torch.device("cpu", 0)
     assert BACKEND.synchronize() is None
+
+
+def test_batched_pair_copies_and_dma_style_runs_on_cpu() -> None:
+    """The accelerator paths (one multi-tensor copy; one copy per run, even runs of one) checked on CPU."""
+    from kvblocks.backends.movement import block_ids, copy_between, copy_pairs_batched
+
+    for block_major in (True, False):
+        src = filled(spec_of(block_major=block_major, scale_dtype="float32"), 8, seed=4)
+        dst = filled(spec_of(block_major=block_major, scale_dtype="float32"), 8, seed=5)
+        before_src, before_dst = snapshot(src), snapshot(dst)
+        source, target = [5, 0, 3], [1, 6, 2]
+        assert copy_pairs_batched(src, dst, block_ids(src, source), block_ids(dst, target, distinct=True))
+        after = snapshot(dst)
+        for i in range(8):
+            expected = (before_src, source[target.index(i)]) if i in target else (before_dst, i)
+            assert same_block(after, i, *expected)
+        assert not copy_between(src, dst, block_ids(src, source), block_ids(dst, target))  # scattered: declined
+        assert copy_between(src, dst, block_ids(src, [7]), block_ids(dst, [0]), any_runs=True)
+        assert same_block(snapshot(dst), 0, before_src, 7)
+    other = filled(spec_of(block_major=False), 8)
+    mixed = filled(spec_of(block_major=True), 8)
+    assert not copy_pairs_batched(mixed, other, block_ids(mixed, [1]), block_ids(other, [1]))
+
+
+def test_special_float_bit_patterns_survive_every_copy() -> None:
+    """Words are moved as complex128/int64 containers: signalling NaNs and denormals must keep their bits."""
+    cache = BACKEND.allocate(spec_of(), 4)
+    patterns = torch.tensor(
+        [0x7FF0000000000001, 0x0000000000000001, 0xFFF8000000000123 - (1 << 64), 0x7FF4000000000000]
+    )
+    words = cache.storage.view(torch.int64)
+    words[: words.numel() // 4] = patterns.repeat(words.numel() // 16)
+    before = cache.storage.clone()
+    payload = BACKEND.gather(cache, [0, 1])
+    BACKEND.scatter(cache, [2, 3], payload)
+    BACKEND.copy_blocks(cache, [2, 3], [0, 1])
+    assert torch.equal(cache.storage.view(4, -1)[2], before.view(4, -1)[0])
+    assert torch.equal(cache.storage.view(4, -1)[:2], before.view(4, -1)[:2])

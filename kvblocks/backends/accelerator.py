@@ -8,8 +8,10 @@ the source blocks), and records an event the caller can wait on::
     current stream  ... attention writes block 7 ... |
     side stream                                      wait -> gather 7 -> copy -> scatter -> event
 
-With a pinned host cache and ids that pair into runs, blocks go straight between the two
-caches, one DMA per run per row tensor; otherwise they travel as a staged payload.
+With a pinned host cache, blocks go straight between the two caches, one DMA per run per
+row tensor -- for large blocks even when every run is one block long, since a DMA's setup is
+small next to moving a large block. Between device caches, all block copies run in one
+multi-tensor kernel. Otherwise blocks travel as a staged payload.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch
 
 from kvblocks.backends.base import TorchBackend, TransferHandle
 from kvblocks.backends.cache import KVCache
-from kvblocks.backends.movement import copy_between, gather_into, scatter_from
+from kvblocks.backends.movement import copy_between, copy_pairs_batched, gather_into, scatter_from
 from kvblocks.errors import BackendUnavailableError
 
 __all__ = ["AcceleratorBackend"]
+
+_DMA_PER_BLOCK_MIN_BYTES = 256 << 10  # from this row width on, one DMA per scattered block beats staging
 
 
 class AcceleratorBackend(TorchBackend):
@@ -67,6 +71,9 @@ class AcceleratorBackend(TorchBackend):
     def synchronize(self) -> None:
         self.device_module().synchronize(self._device)
 
+    def _copy_disjoint(self, cache: KVCache, src: Any, dst: Any) -> bool:
+        return copy_pairs_batched(cache, cache, src, dst)
+
     def _move(self, src: KVCache, dst: KVCache, source: Any, target: Any, *, non_blocking: bool) -> TransferHandle:
         module = self.device_module()
         stream = self._stream()
@@ -75,7 +82,11 @@ class AcceleratorBackend(TorchBackend):
         finish = None
         keepalive: tuple[object, ...] = ()
         with module.stream(stream):
-            direct = (host is None or host.pinned) and copy_between(src, dst, source, target, non_blocking=True)
+            if host is None:  # device <-> device: one multi-tensor kernel per row tensor
+                direct = copy_pairs_batched(src, dst, source, target)
+            else:
+                large = min(r.shape[1] * r.element_size() for r in src.rows) >= _DMA_PER_BLOCK_MIN_BYTES
+                direct = host.pinned and copy_between(src, dst, source, target, non_blocking=True, any_runs=large)
             if not direct:
                 finish, keepalive = self._staged(src, dst, source, target)
             event = module.Event()

@@ -194,8 +194,12 @@ class TorchBackend(Backend):
             raise ConfigError(f"{len(src)} source blocks but {len(dst)} destination blocks")
         if not len(src) or copy_between(cache, cache, src, dst):
             return
-        if not set(src.values).isdisjoint(dst.values) or not copy_staged(cache, cache, src, dst, self._scratch()):
+        if not set(src.values).isdisjoint(dst.values) or not self._copy_disjoint(cache, src, dst):
             copy_within(cache, src, dst)  # overlapping: read everything before writing anything
+
+    def _copy_disjoint(self, cache: KVCache, src: Any, dst: Any) -> bool:
+        """Copy between disjoint block sets of one cache; the CPU stages through a cache-sized buffer."""
+        return copy_staged(cache, cache, src, dst, self._scratch())
 
     def zero(self, cache: KVCache, ids: BlockIds) -> None:
         self._own(cache)

@@ -24,6 +24,7 @@ __all__ = [
     "block_ids",
     "contiguous_runs",
     "copy_between",
+    "copy_pairs_batched",
     "copy_staged",
     "copy_within",
     "gather_into",
@@ -139,18 +140,38 @@ def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, 
     return runs
 
 
-def copy_between(src: KVCache, dst: KVCache, source: _Ids, target: _Ids, *, non_blocking: bool = False) -> bool:
+def copy_between(
+    src: KVCache, dst: KVCache, source: _Ids, target: _Ids, *, non_blocking: bool = False, any_runs: bool = False
+) -> bool:
     """Copy run by run straight from ``src`` rows into ``dst`` rows, when that beats a staged payload.
 
     It does when both caches share an arrangement (so their row tensors match) and the ids
-    pair up into long runs. Returns False, having copied nothing, otherwise.
+    pair up into long runs -- or into any runs at all with ``any_runs``, for callers whose
+    per-copy cost is small next to a block (a DMA engine moving large blocks). Returns
+    False, having copied nothing, otherwise.
     """
-    if src.spec.block_major != dst.spec.block_major or not _few_runs(source.values, target.values):
+    if src.spec.block_major != dst.spec.block_major:
+        return False
+    if not any_runs and not _few_runs(source.values, target.values):
         return False
     runs = paired_runs(source.values, target.values)
     for src_rows, dst_rows in zip(src.rows, dst.rows):
         for s, d, n in runs:
             dst_rows[d : d + n].copy_(src_rows[s : s + n], non_blocking=non_blocking)
+    return True
+
+
+def copy_pairs_batched(src: KVCache, dst: KVCache, source: _Ids, target: _Ids) -> bool:
+    """Copy ``source[i]`` -> ``target[i]`` block by block in one multi-tensor launch per row tensor.
+
+    ``torch._foreach_copy_`` runs all the block copies of a list in a single kernel on
+    accelerators: one pass over the bytes, no staging, no launch per block. Needs one
+    arrangement on both sides and disjoint sets; returns False, having copied nothing, otherwise.
+    """
+    if src.spec.block_major != dst.spec.block_major:
+        return False
+    for src_rows, dst_rows in zip(src.rows, dst.rows):
+        torch._foreach_copy_([dst_rows[d] for d in target.values], [src_rows[s] for s in source.values])
     return True
 
 

@@ -31,7 +31,10 @@ _DMA_PER_BLOCK_MIN_BYTES = 256 << 10  # from this row width on, one DMA per scat
 
 
 class AcceleratorBackend(TorchBackend):
-    """A torch accelerator device (``cuda`` or ``xpu``) with a side stream for transfers."""
+    """A torch accelerator device (``cuda`` or ``xpu``) with a side stream for transfers.
+
+    Transfers run between host memory and this device, or within it.
+    """
 
     name: ClassVar[str] = ""
 
@@ -100,9 +103,7 @@ class AcceleratorBackend(TorchBackend):
         """Move the blocks as one payload: gather where they are, one copy across, scatter where they go."""
         shape = (len(source), src.spec.bytes_per_block)
         pin = src.device.type == "cpu" or dst.device.type == "cpu"
-        if (
-            src.device.type == "cpu"
-        ):  # host -> device: gather on the host into pinned memory, one DMA, scatter on device
+        if src.device.type == "cpu":  # host -> device: gather into pinned memory, one DMA, scatter on device
             staging = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
             gather_into(src, source, staging)
             arrived = staging.to(dst.device, non_blocking=True)

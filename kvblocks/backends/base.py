@@ -55,6 +55,15 @@ class TransferHandle:
         self._finish = finish  # host-side work to run once the event completed
         self._keepalive = keepalive  # staging buffers the device is still reading
 
+    @property
+    def event(self) -> object | None:
+        """The accelerator event marking the copy's end (None once done, or for synchronous work).
+
+        A consumer stream can wait on it without blocking the host: ``stream.wait_event(handle.event)``
+        -- enough for a host -> device transfer; a device -> host one also needs :meth:`wait`.
+        """
+        return self._event
+
     def done(self) -> bool:
         if self._event is not None and not self._event.query():  # type: ignore[attr-defined]
             return False

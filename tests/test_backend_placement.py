@@ -47,7 +47,7 @@ def test_profiling_runner_allocates_privately() -> None:
 
 @pytest.mark.parametrize(
     "role, profiling, host, storage",
-    itertools.product(ROLES, (False, True), HOST_TIERS, STORAGE),
+    list(itertools.product(ROLES, (False, True), HOST_TIERS, STORAGE)),
 )
 def test_exactly_one_creator_over_every_combination(role, profiling, host, storage) -> None:
     """Both parties read the same Placement: one creates, nobody waits on what is never published."""

@@ -81,7 +81,7 @@ class AcceleratorBackend(TorchBackend):
         module = self.device_module()
         stream = self._stream()
         stream.wait_stream(module.current_stream(self._device))  # the source blocks were written before this call
-        host = src if src.device.type == "cpu" else dst if dst.device.type == "cpu" else None
+        host = src if self._is_host(src) else dst if self._is_host(dst) else None
         finish = None
         keepalive: tuple[object, ...] = ()
         with module.stream(stream):
@@ -99,20 +99,27 @@ class AcceleratorBackend(TorchBackend):
             handle.wait()
         return handle
 
+    def _is_host(self, cache: KVCache) -> bool:
+        """Whether ``cache`` lives in host memory (the other side of a DMA)."""
+        return cache.device.type == "cpu"
+
+    def _host_staging(self, shape: tuple[int, int]) -> torch.Tensor:
+        """A pinned host buffer: what asynchronous DMA needs on the host side."""
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+
     def _staged(self, src: KVCache, dst: KVCache, source: Any, target: Any) -> tuple[Any, tuple[object, ...]]:
         """Move the blocks as one payload: gather where they are, one copy across, scatter where they go."""
         shape = (len(source), src.spec.bytes_per_block)
-        pin = src.device.type == "cpu" or dst.device.type == "cpu"
-        if src.device.type == "cpu":  # host -> device: gather into pinned memory, one DMA, scatter on device
-            staging = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+        if self._is_host(src):  # host -> device: gather into pinned memory, one DMA, scatter on device
+            staging = self._host_staging(shape)
             gather_into(src, source, staging)
             arrived = staging.to(dst.device, non_blocking=True)
             scatter_from(dst, target, arrived)
             return None, (staging, arrived)
         payload = torch.empty(shape, dtype=torch.uint8, device=src.device)
         gather_into(src, source, payload)
-        if dst.device.type == "cpu":  # device -> host: the host-side scatter runs once the copy has landed
-            landing = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+        if self._is_host(dst):  # device -> host: the host-side scatter runs once the copy has landed
+            landing = self._host_staging(shape)
             landing.copy_(payload, non_blocking=True)
             return (lambda: scatter_from(dst, target, landing)), (payload, landing)
         arrived = payload.to(dst.device, non_blocking=True)  # device -> another device

@@ -17,9 +17,8 @@ from unittest import mock
 import pytest
 import torch
 
-from kvblocks.backends import CPUBackend, KVCacheSpec
+from kvblocks.backends import CPUBackend, KVCacheSpec, movement
 from kvblocks.backends import accelerator as accelerator_module
-from kvblocks.backends import movement
 from kvblocks.backends.accelerator import AcceleratorBackend
 from kvblocks.backends.base import TorchBackend
 
@@ -60,7 +59,7 @@ class FakeModule:
     def device_count(self) -> int:
         return 1
 
-    def Stream(self, device=None) -> FakeStream:  # noqa: N802 - mirrors torch.cuda.Stream
+    def Stream(self, device=None) -> FakeStream:
         return FakeStream(device)
 
     @contextlib.contextmanager
@@ -71,7 +70,7 @@ class FakeModule:
     def current_stream(self, device=None) -> FakeStream:
         return self.current
 
-    def Event(self) -> FakeEvent:  # noqa: N802 - mirrors torch.cuda.Event
+    def Event(self) -> FakeEvent:
         event = FakeEvent()
         self.events.append(event)
         return event

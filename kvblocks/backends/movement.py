@@ -68,7 +68,7 @@ class _Ids:
     @property
     def sliced(self) -> bool:
         """Whether moving these ids run by run beats one indexed copy."""
-        return _few_runs(self.values, self.values)
+        return _few_runs(self.values, range(len(self.values)))
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -104,13 +104,7 @@ def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
     >>> contiguous_runs([4, 5, 6, 9, 2, 3])
     [(4, 0, 3), (9, 3, 1), (2, 4, 2)]
     """
-    runs: list[tuple[int, int, int]] = []
-    start = 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[i - 1] + 1:
-            runs.append((ids[start], start, i - start))
-            start = i
-    return runs
+    return paired_runs(ids, range(len(ids)))  # positions always count up: only the ids can break a run
 
 
 def _few_runs(src: Sequence[int], dst: Sequence[int]) -> bool:

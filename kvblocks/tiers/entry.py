@@ -1,0 +1,140 @@
+"""What a stored block looks like: its key, and a fixed header in front of its payload.
+
+One key per block -- scheme, namespace, block hash, and the tensor-parallel rank where
+shards differ -- made of ``[a-z0-9.]`` only, so a file or Redis key is never built from
+caller-supplied text::
+
+    xxh3-128.3f9c0a1b2c3d4e5f.b6a1f...e2          bytes hash of the default scheme
+    xxh3-64-1337.0000000000000000.i1d2c3.r1       int hash, rank 1
+
+The value is a fixed 100-byte header, then the block's payload (``Backend.gather``'s bytes)::
+
+    magic "KVBENTRY" | version | ndim | scheme | dtype | shape (8 dims) | spec fingerprint
+    | payload length | xxh3-64 checksum of the payload | payload ...
+
+A reader decodes against the format it expects: a different magic, version, scheme, dtype,
+shape or spec, a short or long payload, or a checksum that does not match makes the entry a
+miss with a reason -- never wrong KV.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import asdict, dataclass
+
+import xxhash
+
+from kvblocks.backends.spec import KVCacheSpec
+from kvblocks.errors import ConfigError, InvalidArgumentError, InvalidBlockHashError
+from kvblocks.hashing import BlockHash, Namespace
+
+__all__ = ["FORMAT_VERSION", "HEADER", "EntryFormat", "block_key", "namespace_tag", "valid_key"]
+
+MAGIC = b"KVBENTRY"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sHH16s16s8IQQQ")
+_KEY = re.compile(r"^[a-z0-9][a-z0-9.\-]{0,250}$")
+
+
+def namespace_tag(namespace: str | Namespace, scheme: str, block_size: int) -> str:
+    """16 hex digits naming a key space: the namespace, scheme and block size that produced the hashes."""
+    material = Namespace.of(namespace).root_material(scheme, block_size)
+    return f"{xxhash.xxh3_64_intdigest(material):016x}"
+
+
+def block_key(tag: str, scheme: str, block_hash: BlockHash, rank: int | None = None) -> str:
+    """The storage key of one block (see the module docstring for the shape)."""
+    if isinstance(block_hash, bytes) and block_hash:
+        digest = "b" + block_hash.hex()
+    elif isinstance(block_hash, int) and not isinstance(block_hash, bool) and block_hash >= 0:
+        digest = f"i{block_hash:x}"
+    else:
+        raise InvalidBlockHashError(f"a block hash must be non-empty bytes or an int >= 0, got {block_hash!r}")
+    key = f"{scheme}.{tag}.{digest}"
+    if rank is not None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise InvalidArgumentError(f"rank must be an int >= 0, got {rank!r}")
+        key += f".r{rank}"
+    return valid_key(key)
+
+
+def valid_key(key: str) -> str:
+    """``key`` itself, if it is a well-formed storage key; raises otherwise (a path can never sneak in)."""
+    if not isinstance(key, str) or not _KEY.match(key):
+        raise InvalidArgumentError(f"{key!r} is not a storage key (lowercase letters, digits, '.' and '-')")
+    return key
+
+
+def _fixed(text: str, what: str) -> bytes:
+    raw = text.encode("ascii")
+    if len(raw) > 16:
+        raise ConfigError(f"{what} {text!r} does not fit the 16-byte header field")
+    return raw.ljust(16, b"\0")
+
+
+@dataclass(frozen=True)
+class EntryFormat:
+    """The header every entry of one cache spec and hash scheme carries, and its codec."""
+
+    scheme: str
+    dtype: str
+    shape: tuple[int, ...]
+    fingerprint: int
+    payload_length: int
+
+    @classmethod
+    def for_spec(cls, spec: KVCacheSpec, scheme: str) -> EntryFormat:
+        planes = 2 if spec.has_values else 1
+        shape = (spec.num_layers, planes, *spec.block_shape)
+        description = repr(sorted((k, v) for k, v in asdict(spec).items() if k != "block_major")).encode()
+        return cls(scheme, spec.dtype, shape, xxhash.xxh3_64_intdigest(description), spec.bytes_per_block)
+
+    def __post_init__(self) -> None:
+        if len(self.shape) > 8:
+            raise ConfigError(f"an entry shape has at most 8 dimensions, got {self.shape}")
+        self._header_prefix()  # validates the text fields
+
+    def _header_prefix(self) -> bytes:
+        dims = list(self.shape) + [0] * (8 - len(self.shape))
+        return HEADER.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            len(self.shape),
+            _fixed(self.scheme, "scheme"),
+            _fixed(self.dtype, "dtype"),
+            *dims,
+            self.fingerprint,
+            self.payload_length,
+            0,
+        )[:-8]
+
+    def encode(self, payload: bytes | bytearray | memoryview) -> bytes:
+        """Header + payload. The payload must have exactly this format's length."""
+        view = memoryview(payload).cast("B")
+        if len(view) != self.payload_length:
+            raise ConfigError(f"payload is {len(view)} bytes, the format says {self.payload_length}")
+        checksum = xxhash.xxh3_64_intdigest(view)
+        return self._header_prefix() + checksum.to_bytes(8, "little") + view.tobytes()
+
+    def decode(self, data: bytes | bytearray | memoryview | None) -> tuple[memoryview | None, str]:
+        """``(payload, "")`` for a sound entry of this format, else ``(None, why it is a miss)``."""
+        if data is None:
+            return None, "absent"
+        view = memoryview(data).cast("B")
+        if len(view) < HEADER.size:
+            return None, "truncated header"
+        prefix = self._header_prefix()
+        if bytes(view[: len(prefix)]) != prefix:
+            if bytes(view[:8]) != MAGIC:
+                return None, "bad magic"
+            if int.from_bytes(view[8:10], "little") != FORMAT_VERSION:
+                return None, "other format version"
+            return None, "other scheme, dtype, shape or spec"
+        payload = view[HEADER.size :]
+        if len(payload) != self.payload_length:
+            return None, "truncated payload" if len(payload) < self.payload_length else "overlong payload"
+        checksum = int.from_bytes(view[HEADER.size - 8 : HEADER.size], "little")
+        if xxhash.xxh3_64_intdigest(payload) != checksum:
+            return None, "checksum mismatch"
+        return payload, ""

@@ -1,0 +1,206 @@
+"""FileStorage: one file per block entry in a local or shared directory.
+
+    root/
+      3f/xxh3-128.2d0a6f8b1056740b.b6a1f...e2      shard = low byte of the key's xxh3-64, in hex
+      a0/...
+
+Keys are validated storage keys (``[a-z0-9.-]``), so no caller text ever becomes a path.
+A write goes to a temporary file in the same shard and is renamed into place, so a reader
+sees a whole entry or none. With ``byte_budget`` the directory is kept under that many
+bytes by removing the least recently used entries (recency as this process saw it: entries
+on disk at start-up are ranked by modification time). Several processes may share one
+directory; each enforces the budget for what it knows, so shared budgets are approximate.
+
+Failures never raise: a write that fails (disk full, permission denied) is dropped and
+counted; a read that fails is a miss, counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import xxhash
+
+from kvblocks.errors import ConfigError
+from kvblocks.tiers.entry import valid_key
+from kvblocks.tiers.storage import StorageStats
+
+__all__ = ["FileStorage"]
+
+_TEMP_PREFIX = ".tmp-"
+
+
+class FileStorage:
+    """Block entries as files under ``root`` (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike[str], *, byte_budget: int | None = None, fsync: bool = False) -> None:
+        if byte_budget is not None and (
+            isinstance(byte_budget, bool) or not isinstance(byte_budget, int) or byte_budget < 0
+        ):
+            raise ConfigError(f"byte_budget must be an int >= 0 or None, got {byte_budget!r}")
+        self.root = Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(f"cannot use {self.root} as a storage directory: {error}") from error
+        self._budget = byte_budget
+        self._fsync = fsync
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
+        self._bytes = 0
+        self._serial = 0
+        self.stats = StorageStats()
+        self._load_index()
+
+    # ---------------------------------------------------------------- layout
+
+    def _path(self, key: str) -> Path:
+        return self.root / f"{xxhash.xxh3_64_intdigest(key.encode()) & 0xFF:02x}" / key
+
+    def _load_index(self) -> None:
+        found = []
+        for shard in self.root.iterdir() if self.root.is_dir() else ():
+            if not shard.is_dir() or len(shard.name) != 2:
+                continue
+            for entry in shard.iterdir():
+                if entry.name.startswith(_TEMP_PREFIX):
+                    entry.unlink(missing_ok=True)  # a write that died half-way
+                    continue
+                try:
+                    stat = entry.stat()
+                    found.append((stat.st_mtime_ns, valid_key(entry.name), stat.st_size))
+                except (OSError, ValueError):
+                    continue
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self._bytes += size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the entries this process knows of."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # ---------------------------------------------------------------- operations
+
+    def put(self, items: Sequence[tuple[str, bytes]]) -> int:
+        checked = [(valid_key(key), value) for key, value in items]
+        written = 0
+        for key, value in checked:
+            size = len(value)
+            if self._budget is not None and size > self._budget:
+                self.stats.put_errors += 1
+                continue
+            if self._write(key, value):
+                written += 1
+                with self._lock:
+                    old = self._index.pop(key, None)
+                    self._bytes += size - (old or 0)
+                    self._index[key] = size
+                    self.stats.puts += 1
+                    self.stats.put_bytes += size
+                    victims = self._over_budget()
+                self._remove_files(victims)
+        return written
+
+    def _write(self, key: str, value: bytes) -> bool:
+        path = self._path(key)
+        with self._lock:
+            self._serial += 1
+            temp = path.with_name(f"{_TEMP_PREFIX}{key}-{os.getpid()}-{self._serial}")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(temp, "wb") as handle:
+                handle.write(value)
+                if self._fsync:
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            os.replace(temp, path)
+            return True
+        except OSError:
+            self.stats.put_errors += 1
+            with contextlib.suppress(OSError):
+                temp.unlink(missing_ok=True)
+            return False
+
+    def _over_budget(self) -> list[str]:
+        victims = []
+        while self._budget is not None and self._bytes > self._budget and self._index:
+            key, size = self._index.popitem(last=False)
+            self._bytes -= size
+            victims.append(key)
+        self.stats.evictions += len(victims)
+        return victims
+
+    def _remove_files(self, keys: list[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(OSError):
+                self._path(key).unlink(missing_ok=True)
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        checked = [valid_key(key) for key in keys]
+        out: list[bytes | None] = []
+        for key in checked:
+            self.stats.gets += 1
+            try:
+                value = self._path(key).read_bytes()
+            except FileNotFoundError:
+                value = None
+                self._forget(key)
+            except OSError:
+                value = None
+                self.stats.get_errors += 1
+            if value is None:
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+                with self._lock:
+                    if key in self._index:
+                        self._index.move_to_end(key)
+                    else:  # written by another process sharing the directory
+                        self._index[key] = len(value)
+                        self._bytes += len(value)
+            out.append(value)
+        return out
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._bytes -= size
+
+    def contains(self, keys: Sequence[str]) -> int:
+        checked = [valid_key(key) for key in keys]
+        count = 0
+        for key in checked:
+            if not self._path(key).is_file():
+                break
+            count += 1
+        return count
+
+    def delete(self, keys: Sequence[str]) -> int:
+        checked = [valid_key(key) for key in keys]
+        removed = 0
+        for key in checked:
+            try:
+                self._path(key).unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            self._forget(key)
+        self.stats.deletes += removed
+        return removed
+
+    def close(self) -> None:
+        with self._lock:
+            self._index.clear()
+            self._bytes = 0

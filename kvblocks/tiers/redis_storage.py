@@ -1,0 +1,132 @@
+"""RedisStorage: block entries in a Redis (or Valkey) server shared by several nodes.
+
+Configured by URL (``redis://host:6379/0``, ``rediss://`` for TLS, ``unix://``). Batches go
+out as one pipeline (one round trip); an optional TTL lets the server expire entries.
+Every call is bounded by ``socket_timeout``: a server that is down or does not answer
+makes reads misses and writes drops -- counted, never raised -- and the next call tries
+again, so serving resumes by itself when the server is back.
+
+Needs the ``redis`` package (``pip install "kvblocks[redis]"``), imported when a
+RedisStorage is created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+from kvblocks.errors import BackendUnavailableError, ConfigError
+from kvblocks.tiers.entry import valid_key
+from kvblocks.tiers.storage import StorageStats
+
+__all__ = ["RedisStorage"]
+
+
+class RedisStorage:
+    """Block entries under ``prefix + key`` in a Redis-protocol server (see the module docstring)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_seconds: float | None = None,
+        socket_timeout: float = 1.0,
+        prefix: str = "kvblocks:",
+    ) -> None:
+        try:
+            import redis
+        except ImportError as error:
+            raise BackendUnavailableError(
+                'RedisStorage needs the redis package: pip install "kvblocks[redis]"'
+            ) from error
+        if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not ttl_seconds > 0):
+            raise ConfigError(f"ttl_seconds must be > 0 or None, got {ttl_seconds!r}")
+        if not socket_timeout > 0:
+            raise ConfigError(f"socket_timeout must be > 0, got {socket_timeout!r}")
+        try:
+            self._client: Any = redis.Redis.from_url(
+                url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout, retry_on_timeout=False
+            )
+        except ValueError as error:
+            raise ConfigError(f"not a Redis URL: {url!r} ({error})") from error
+        self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
+        self._ttl_ms = None if ttl_seconds is None else max(1, int(ttl_seconds * 1000))
+        self._prefix = prefix
+        self.url = url
+        self.stats = StorageStats()
+
+    def _names(self, keys: Sequence[str]) -> list[str]:
+        return [self._prefix + valid_key(key) for key in keys]
+
+    def put(self, items: Sequence[tuple[str, bytes]]) -> int:
+        names = self._names([key for key, _ in items])
+        if not names:
+            return 0
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for name, (_, value) in zip(names, items):
+                pipe.set(name, value, px=self._ttl_ms)
+            results = pipe.execute(raise_on_error=False)
+        except self._errors:
+            self.stats.put_errors += len(names)
+            return 0
+        written = 0
+        for result, (_, value) in zip(results, items):
+            if result is True:
+                written += 1
+                self.stats.puts += 1
+                self.stats.put_bytes += len(value)
+            else:
+                self.stats.put_errors += 1
+        return written
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        names = self._names(keys)
+        if not names:
+            return []
+        self.stats.gets += len(names)
+        try:
+            values: list[bytes | None] = self._client.mget(names)
+        except self._errors:
+            self.stats.get_errors += len(names)
+            self.stats.misses += len(names)
+            return [None] * len(names)
+        hits = sum(1 for v in values if v is not None)
+        self.stats.hits += hits
+        self.stats.misses += len(names) - hits
+        return values
+
+    def contains(self, keys: Sequence[str]) -> int:
+        names = self._names(keys)
+        if not names:
+            return 0
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            present = pipe.execute()
+        except self._errors:
+            self.stats.get_errors += 1
+            return 0
+        count = 0
+        for flag in present:
+            if not flag:
+                break
+            count += 1
+        return count
+
+    def delete(self, keys: Sequence[str]) -> int:
+        names = self._names(keys)
+        if not names:
+            return 0
+        try:
+            removed = int(self._client.delete(*names))
+        except self._errors:
+            return 0
+        self.stats.deletes += removed
+        return removed
+
+    def close(self) -> None:
+        with contextlib.suppress(*self._errors):
+            self._client.close()

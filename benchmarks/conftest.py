@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.conftest import redis_url  # noqa: F401  - a real Redis for the storage benchmarks
+
 
 @dataclass(frozen=True)
 class Ratio:
@@ -54,6 +56,16 @@ RATIOS = [
         Ratio(f"cpu-move-{shape}", "transfer layer-major", "contiguous copy", None, "cache to cache, scattered ids")
         for shape in ("2MiB", "64KiB")
     ),
+    *(
+        Ratio(f"file-{op}-{size}", "FileStorage", "raw files", 0.7, "share of plain file I/O throughput")
+        for op in ("put", "get")
+        for size in ("2MiB-block", "256KiB-layer-group")
+    ),
+    *(
+        Ratio(f"redis-{op}-{size}", "RedisStorage", "raw pipeline", 0.8, "share of a bare redis-py pipeline")
+        for op in ("put", "get")
+        for size in ("2MiB-block", "256KiB-layer-group")
+    ),
     Ratio("cuda-host-2MiB", "to device", "contiguous to device", 0.8, "share of one contiguous pinned copy"),
     Ratio("cuda-host-2MiB", "to host", "contiguous to host", 0.8, "share of one contiguous pinned copy"),
     Ratio("cuda-device-2MiB", "copy_blocks", "contiguous copy", 0.7, "share of one contiguous device copy"),
@@ -93,6 +105,20 @@ def _throughput_lines(config: pytest.Config) -> list[str]:
     return lines
 
 
+def _bandwidth_lines(config: pytest.Config) -> list[str]:
+    """MB/s (and entries/s where counted) for benchmarks that record the bytes they move."""
+    lines = []
+    for bench in _finished(config):
+        info = bench.extra_info
+        if "bytes" in info:
+            median = bench.stats.median
+            line = f"{bench.group:<28} {info['subject']:<22} {info['bytes'] / median / 1e6:10.0f} MB/s"
+            if "entries" in info:
+                line += f" {info['entries'] / median:10.0f} entries/s"
+            lines.append(line)
+    return lines
+
+
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     medians = _medians(config)
     rows = []
@@ -126,9 +152,9 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
             f"{_duration(row['subject_median_s'])} vs {_duration(row['baseline_median_s'])}  "
             f"ratio {row['ratio']:6.2f} {target:>8} {row['verdict']}"
         )
-    throughput = _throughput_lines(config)
+    throughput = _throughput_lines(config) + _bandwidth_lines(config)
     if throughput:
-        tr.write_sep("-", "kvblocks lifecycle throughput (medians)")
+        tr.write_sep("-", "kvblocks throughput (medians)")
         for line in throughput:
             tr.write_line(line)
     path = config.getoption("--kvblocks-ratios")

@@ -54,6 +54,7 @@ class FileStorage:
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
         self._bytes = 0
         self._serial = 0
+        self._shards: set[str] = set()  # shard directories known to exist
         self.stats = StorageStats()
         self._load_index()
 
@@ -116,7 +117,9 @@ class FileStorage:
             self._serial += 1
             temp = path.with_name(f"{_TEMP_PREFIX}{key}-{os.getpid()}-{self._serial}")
         try:
-            path.parent.mkdir(exist_ok=True)
+            if path.parent.name not in self._shards:
+                path.parent.mkdir(exist_ok=True)
+                self._shards.add(path.parent.name)
             with open(temp, "wb") as handle:
                 handle.write(value)
                 if self._fsync:

@@ -30,6 +30,7 @@ def test_put_get_contains_delete(redis_storage) -> None:
     assert redis_storage.get(k) == [b"A", None, b"C", b"D"]
     assert redis_storage.contains(k) == 1  # prefix semantics
     assert redis_storage.contains(k[2:]) == 2
+    assert redis_storage.exists(k) == [True, False, True, True]
     assert redis_storage.delete([k[0], k[1]]) == 1
     assert redis_storage.contains(k) == 0
     stats = redis_storage.stats
@@ -69,7 +70,7 @@ def test_a_killed_server_gives_counted_misses_and_serving_resumes(private_redis)
     start = time.monotonic()
     assert storage.get(k) == [None, None]
     assert storage.put([(k[1], b"lost")]) == 0
-    assert storage.contains(k) == 0 and storage.delete(k) == 0
+    assert storage.contains(k) == 0 and storage.delete(k) == 0 and storage.exists(k) == [False, False]
     assert time.monotonic() - start < 5  # bounded by the socket timeout, no hang
     assert storage.stats.get_errors >= 2 and storage.stats.put_errors == 1
     private_redis.start()  # back (empty: no persistence)

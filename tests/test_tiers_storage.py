@@ -150,6 +150,7 @@ def test_put_get_contains_delete(storage) -> None:
     assert storage.get(k) == [b"A", None, b"C", b"D"]
     assert storage.contains(k) == 1  # prefix semantics: k1 is missing, so k2 and k3 do not count
     assert storage.contains(k[2:]) == 2
+    assert storage.exists(k) == [True, False, True, True]
     assert storage.delete([k[0], k[1]]) == 1
     assert storage.contains(k) == 0
     stats = storage.stats

@@ -188,6 +188,9 @@ class FileStorage:
             count += 1
         return count
 
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [self._path(key).is_file() for key in [valid_key(key) for key in keys]]
+
     def delete(self, keys: Sequence[str]) -> int:
         checked = [valid_key(key) for key in keys]
         removed = 0

@@ -97,21 +97,23 @@ class RedisStorage:
         self.stats.misses += len(names) - hits
         return values
 
-    def contains(self, keys: Sequence[str]) -> int:
+    def exists(self, keys: Sequence[str]) -> list[bool]:
         names = self._names(keys)
         if not names:
-            return 0
+            return []
         try:
             pipe = self._client.pipeline(transaction=False)
             for name in names:
                 pipe.exists(name)
-            present = pipe.execute()
+            return [bool(flag) for flag in pipe.execute()]
         except self._errors:
             self.stats.get_errors += 1
-            return 0
+            return [False] * len(names)
+
+    def contains(self, keys: Sequence[str]) -> int:
         count = 0
-        for flag in present:
-            if not flag:
+        for present in self.exists(keys):
+            if not present:
                 break
             count += 1
         return count

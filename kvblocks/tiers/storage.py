@@ -59,6 +59,9 @@ class StorageBackend(Protocol):
     def contains(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` are stored (stops at the first miss)."""
 
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored (a failed check says False)."""
+
     def delete(self, keys: Sequence[str]) -> int:
         """Remove entries; returns how many existed."""
 
@@ -145,6 +148,11 @@ class MemoryStorage:
                     break
                 count += 1
             return count
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        checked = [valid_key(key) for key in keys]
+        with self._lock:
+            return [key in self._entries for key in checked]
 
     def delete(self, keys: Sequence[str]) -> int:
         checked = [valid_key(key) for key in keys]

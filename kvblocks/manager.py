@@ -446,20 +446,30 @@ class KVCacheManager:
         s.preempted = True
 
     def _release(self, s: _Sequence) -> None:
+        if s.table is None:
+            return
+        self._pool._release_valid(self._release_order(s))  # the manager's own table: valid by construction
+        self._clear_table(s)
+
+    @staticmethod
+    def _release_order(s: _Sequence) -> Iterable[int]:
+        """The sequence's references, tail first (a pinned node right before its private copy's position)."""
         table = s.table
         if table is None:
-            return
+            return ()
         pins = s.pins
-        if pins:
-            order = []
-            for position in range(len(table) - 1, -1, -1):
-                pinned = pins.get(position)
-                if pinned is not None:
-                    order.append(pinned)
-                order.append(table[position])
-        else:
-            order = reversed(table)  # type: ignore[assignment]
-        self._pool._release_valid(order)  # the manager's own table: valid by construction
+        if not pins:
+            return reversed(table)
+        order = []
+        for position in range(len(table) - 1, -1, -1):
+            pinned = pins.get(position)
+            if pinned is not None:
+                order.append(pinned)
+            order.append(table[position])
+        return order
+
+    @staticmethod
+    def _clear_table(s: _Sequence) -> None:
         s.table = None
         s.view = None
         s.pins = None
@@ -520,12 +530,16 @@ class KVCacheManager:
                         raise IntegrityError(f"sequence {seq_id!r} position {position}: cached node is {node}")
             if any(p >= registered for p in pins):
                 raise IntegrityError(f"sequence {seq_id!r} pins a position beyond its registered blocks")
+        self._count_other_holders(expected)
         for block in range(pool.num_blocks):
             if pool.ref_count(block) != expected[block]:
                 raise IntegrityError(
                     f"block {block} has ref count {pool.ref_count(block)} but {expected[block]} holders"
                 )
         self._check_release_order()
+
+    def _count_other_holders(self, expected: list[int]) -> None:
+        """Add references held by something other than sequences' tables and pins (none here)."""
 
     def _check_release_order(self) -> None:
         """A node in use has its parent in use; an idle node was released before its idle parent."""

@@ -240,12 +240,13 @@ class PrefixTree:
 
     # ------------------------------------------------------------------ eviction
 
-    def evict(self, count: int) -> list[int]:
+    def evict(self, count: int, removed_hashes: list[BlockHash] | None = None) -> list[int]:
         """Evict up to ``count`` idle leaves, least recently released first; return their ids.
 
         The returned blocks are FRESH in the pool (at the back of its fresh queue).
         Fewer than ``count`` come back only when no idle block is left. Emits one
-        ``BlockRemoved`` for the batch.
+        ``BlockRemoved`` for the batch. With ``removed_hashes``, the evicted blocks'
+        hashes are appended to it, in the same order (a lower tier writes them back).
         """
         if type(count) is not int or count < 0:
             raise InvalidArgumentError(f"cannot evict {count!r} blocks")
@@ -258,7 +259,9 @@ class PrefixTree:
         num_children = self._num_children
         evicted: list[int] = []
         append = evicted.append
-        removed: list[BlockHash] | None = [] if self._events is not None else None
+        removed = removed_hashes
+        if removed is None and self._events is not None:
+            removed = []
         while len(evicted) < count and idle:
             # Snapshot the oldest candidates: iterating a list is cheaper than re-peeking the LRU.
             for b in list(islice(idle, count - len(evicted))):
@@ -277,8 +280,8 @@ class PrefixTree:
                 if interior:  # the snapshot may be stale now: take a new one
                     break
         self.num_evicted += len(evicted)
-        if evicted and removed is not None:
-            self._events.emit(BlockRemoved(tuple(removed), self.tier))  # type: ignore[union-attr]
+        if evicted and self._events is not None:
+            self._events.emit(BlockRemoved(tuple(removed[-len(evicted) :]), self.tier))  # type: ignore[index]
         return evicted
 
     def _oldest_idle_leaf(self) -> int:

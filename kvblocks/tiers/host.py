@@ -1,0 +1,125 @@
+"""The host tier's bookkeeping: which block hashes host blocks hold, and their LRU.
+
+Unlike the device tree this index is flat: a host block may hold a block whose
+prefix lives on the device, so only *runs* matter, and ``run`` stops at the first
+hash the host lacks. A host block is one of::
+
+    fresh ──reserve──> pending (a copy into it is in flight; never matched)
+                          │ complete(ok)           │ complete(failed)
+                          v                        v
+                       ready, idle  <──release──  fresh
+                          │ acquire (a swap-in reads it: it cannot be evicted)
+                          v
+                       ready, in use
+
+Eviction takes the least recently used idle ready block. The block ids index the
+host cache tensors the engine (or :class:`~kvblocks.tiers.TransferExecutor`) owns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvblocks.errors import IntegrityError, InvalidArgumentError
+from kvblocks.hashing import BlockHash
+from kvblocks.pool import BlockPool
+
+__all__ = ["HostTier"]
+
+
+class HostTier:
+    """``num_blocks`` host blocks: a pool (ref counts, fresh queue, idle LRU) plus a hash index."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.pool = BlockPool(num_blocks)
+        self._block_of: dict[BlockHash, int] = {}  # ready blocks
+        self._pending: dict[BlockHash, int] = {}  # blocks a copy is being written into
+        self.num_evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._block_of)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._block_of or block_hash in self._pending
+
+    def block_of(self, block_hash: BlockHash) -> int | None:
+        """The ready host block holding ``block_hash`` (None while absent or pending)."""
+        return self._block_of.get(block_hash)
+
+    def run(self, hashes: Sequence[BlockHash], start: int, stop: int) -> list[int]:
+        """Ready host blocks for ``hashes[start:stop]``, up to the first one the host lacks. Pure."""
+        block_of = self._block_of
+        out: list[int] = []
+        for i in range(start, stop):
+            b = block_of.get(hashes[i])
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def acquire(self, blocks: Iterable[int]) -> None:
+        """Hold ready blocks (a swap-in reads them): they cannot be evicted until released."""
+        self.pool._acquire_valid(blocks)
+
+    def release(self, blocks: Iterable[int]) -> None:
+        self.pool._release_valid(blocks)
+
+    def touch(self, block_hash: BlockHash) -> None:
+        """Mark a ready, idle entry most recently used (a device copy of it was just evicted)."""
+        b = self._block_of.get(block_hash)
+        idle = self.pool._idle
+        if b is not None and b in idle:
+            idle.move_to_end(b)
+
+    def reserve(self, block_hash: BlockHash) -> tuple[int, BlockHash | None] | None:
+        """A block to copy ``block_hash`` into, pending until :meth:`complete`; None when every block is held.
+
+        Takes a fresh block, else evicts the least recently used idle one. Returns
+        ``(block, evicted_hash)``: a lower tier may want the evicted content, which
+        stays in the block until the copy into it runs.
+        """
+        if block_hash in self._block_of or block_hash in self._pending:
+            raise InvalidArgumentError("the host tier already holds or is receiving this block")
+        pool = self.pool
+        evicted: BlockHash | None = None
+        if not pool.num_fresh:
+            if not pool.num_idle:
+                return None
+            victim = next(iter(pool._idle))
+            evicted = pool.content_key(victim)  # type: ignore[assignment]
+            del self._block_of[evicted]  # type: ignore[arg-type]
+            pool.evict(victim)
+            self.num_evicted += 1
+        (block,) = pool.take_fresh(1)
+        self._pending[block_hash] = block
+        return block, evicted
+
+    def complete(self, block_hash: BlockHash, block: int, ok: bool) -> None:
+        """The copy into a reserved block finished: it becomes a ready, idle entry -- or fresh again if it failed."""
+        if self._pending.get(block_hash) != block:
+            raise InvalidArgumentError(f"host block {block} is not pending for that hash")
+        del self._pending[block_hash]
+        if ok:
+            self._block_of[block_hash] = block
+            self.pool.mark_cached(block, block_hash)
+        self.pool._release_valid((block,))
+
+    def clear(self) -> None:
+        """Drop every idle ready entry (pending and held ones stay)."""
+        pool = self.pool
+        for b in list(pool.idle_lru()):
+            del self._block_of[pool.content_key(b)]  # type: ignore[arg-type]
+            pool.evict(b)
+
+    def check_integrity(self) -> None:
+        pool = self.pool
+        pool.check_integrity()
+        for h, b in self._block_of.items():
+            if pool.content_key(b) != h:
+                raise IntegrityError(f"host block {b} is indexed under a hash it does not hold")
+        for b in self._pending.values():
+            if pool.content_key(b) is not None or pool.ref_count(b) < 1:
+                raise IntegrityError(f"pending host block {b} must be held and hold no content yet")
+        cached = sum(1 for b in range(pool.num_blocks) if pool.content_key(b) is not None)
+        if cached != len(self._block_of):
+            raise IntegrityError(f"{cached} host blocks hold content but {len(self._block_of)} are indexed")

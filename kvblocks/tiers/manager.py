@@ -1,0 +1,682 @@
+"""TieredKVCacheManager: the device cache of :class:`~kvblocks.KVCacheManager` over host and storage tiers.
+
+``lookup`` reports three stacked runs; ``allocate`` gives every cached block a device
+block at once, and the copies that fill them are pending until they complete::
+
+    prompt      | b0 | b1 | b2 | b3 | b4 | b5 | . . new tokens . . |
+    where       |  device |   host  | storage |
+    lookup      CachedTokens(device=2B, host=2B, storage=2B)
+    allocate    table [d0, d1, n2, n3, n4, n5, n6 ...]
+                swap-ins (h2->n2, h3->n3) in the step's TransferPlan; a storage read of b4, b5
+    pending     b2..b5 are neither committed nor matchable; commit() is refused
+    complete    complete_transfers(plan) and poll_loads() report the copies; the sequence's
+                cached prefix becomes device-resident. If b4 is missing, only the blocks up to b3
+                count: n4, n5 and everything after go back to the pool, and the engine
+                allocates the rest again to compute it.
+
+The scheduler's calls do no I/O: storage hits come from an index of known-stored hashes,
+reads and writes are queued to threads, and the tensors are moved by whoever executes the
+plans (the engine, or :class:`~kvblocks.tiers.TransferExecutor` when the caches are ours).
+
+Per step, an engine does: scheduling calls (allocate / free / preempt), then
+``take_transfers()`` and runs the plan, then ``complete_transfers(plan)``, then applies
+``poll_loads()``, then the forward pass and ``commit``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Hashable, Iterable, Sequence
+from dataclasses import dataclass, fields
+
+from kvblocks.accounting import CachedTokens
+from kvblocks.config import CacheConfig
+from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, SequenceStateError
+from kvblocks.events import EventSink
+from kvblocks.hashing import DEFAULT_SCHEME, BlockExtras, BlockHash, Namespace
+from kvblocks.manager import BlockTable, KVCacheManager, _count_arg, _Sequence
+from kvblocks.tiers.config import TierConfig
+from kvblocks.tiers.host import HostTier
+from kvblocks.tiers.storage_tier import LoadOutcome, StorageTier, StorageTierStats
+from kvblocks.tiers.transfers import BlockSave, LoadResult, TransferPlan
+from kvblocks.tiers.writer import WriterStats
+
+__all__ = ["TierStats", "TieredKVCacheManager"]
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """A snapshot of the tiers' counters (blocks) next to :attr:`KVCacheManager.stats`."""
+
+    host_blocks: int
+    host_blocks_cached: int
+    host_evicted: int
+    swap_outs: int
+    swap_out_failures: int
+    swap_ins: int
+    swap_in_failures: int
+    write_backs_without_host_room: int
+    saves_planned: int
+    saves_without_payload: int
+    storage: StorageTierStats | None
+    writer: WriterStats | None
+
+
+@dataclass
+class _Counts:
+    swap_outs: int = 0
+    swap_out_failures: int = 0
+    swap_ins: int = 0
+    swap_in_failures: int = 0
+    write_backs_without_host_room: int = 0
+    saves_planned: int = 0
+    saves_without_payload: int = 0
+
+
+class _Admission:
+    """An admitted sequence whose cached prefix beyond the device is still being copied in."""
+
+    __slots__ = (
+        "cancelled",
+        "deadline",
+        "device",
+        "host_blocks",
+        "load_plan",
+        "load_request",
+        "loads_ok",
+        "num_loads",
+        "readmission",
+        "seq",
+        "seq_id",
+        "swap_plan",
+        "swaps_ok",
+    )
+
+    def __init__(self, seq_id: Hashable, seq: _Sequence, device: int, host_blocks: list[int], num_loads: int) -> None:
+        self.seq_id = seq_id
+        self.seq = seq
+        self.device = device  # leading blocks already device-resident
+        self.host_blocks = host_blocks  # swap-in sources, in table order after the device blocks
+        self.num_loads = num_loads  # blocks read from storage after those
+        self.readmission = seq.preempted
+        self.swap_plan = -1
+        self.swaps_ok: int | None = None if host_blocks else 0
+        self.load_request = -1
+        self.load_plan = -1
+        self.deadline = 0.0
+        self.loads_ok: int | None = None if num_loads else 0
+        self.cancelled = False
+
+
+class _Plan:
+    """The mutable plan of one step (open while scheduling, in flight once taken)."""
+
+    __slots__ = ("deferred", "id", "queued", "saves", "swap_ins", "swap_outs")
+
+    def __init__(self, plan_id: int) -> None:
+        self.id = plan_id
+        self.saves: list[BlockSave] = []
+        self.swap_outs: list[tuple[int, int, BlockHash]] = []  # device, host, hash
+        self.swap_ins: list[tuple[int, int, _Admission]] = []  # host, device, admission
+        self.deferred: list[list[int]] = []  # device release orders to run when the plan completes
+        self.queued: set[BlockHash] = set()  # hashes with a save in this plan
+
+    def frozen(self) -> TransferPlan:
+        return TransferPlan(
+            self.id,
+            tuple(self.saves),
+            tuple((d, h) for d, h, _ in self.swap_outs),
+            tuple((h, d) for h, d, _ in self.swap_ins),
+        )
+
+
+class TieredKVCacheManager(KVCacheManager):
+    """A :class:`~kvblocks.KVCacheManager` whose evicted blocks live on in host memory and storage.
+
+    >>> from kvblocks.tiers import TierConfig
+    >>> m = TieredKVCacheManager(5, 4, tiers=TierConfig(num_host_blocks=8))
+    >>> m.add_sequence("a", list(range(17)))
+    >>> _ = m.allocate("a", 17); m.commit("a", 17); m.free("a")      # 4 full blocks cached, 1 partial
+    >>> m.add_sequence("b", list(range(100, 117)))
+    >>> _ = m.allocate("b", 17)                                        # evicts a's blocks ...
+    >>> plan = m.take_transfers(); len(plan.swap_outs)                 # ... which are copied to host
+    4
+    >>> m.complete_transfers(plan); m.free("b")
+    >>> m.add_sequence("c", list(range(17)))
+    >>> m.lookup("c")
+    CachedTokens(device=0, host=16, storage=0, num_prompt_tokens=17)
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        tiers: TierConfig,
+        hash_scheme: str = DEFAULT_SCHEME,
+        namespace: str | Namespace = "default",
+        enable_prefix_caching: bool = True,
+        event_sink: EventSink | None = None,
+    ) -> None:
+        config = CacheConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            hash_scheme=hash_scheme,
+            namespace=namespace,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self._setup(config, event_sink)
+        self._setup_tiers(tiers)
+
+    @classmethod
+    def from_config(  # type: ignore[override]
+        cls, config: CacheConfig, *, tiers: TierConfig, event_sink: EventSink | None = None
+    ) -> TieredKVCacheManager:
+        manager = cls.__new__(cls)
+        manager._setup(config, event_sink)
+        manager._setup_tiers(tiers)
+        return manager
+
+    def _setup_tiers(self, tiers: TierConfig) -> None:
+        if not isinstance(tiers, TierConfig):
+            raise ConfigError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
+        self.tiers = tiers
+        config = self.config
+        self._host = HostTier(tiers.num_host_blocks) if tiers.host_enabled else None
+        self._storage = (
+            StorageTier(tiers, config.namespace, config.hash_scheme, config.block_size)  # type: ignore[arg-type]
+            if tiers.storage is not None
+            else None
+        )
+        host, storage = self._host is not None, self._storage is not None
+        self._host_write_back = host and tiers.host_policy == "write-back"
+        self._host_write_through = host and tiers.host_policy == "write-through"
+        self._storage_write_back = storage and tiers.storage_policy == "write-back"
+        self._storage_write_through = storage and tiers.storage_policy == "write-through"
+        self._save_on_preempt = tiers.save_on_preempt
+        self._open = _Plan(0)
+        self._inflight: dict[int, _Plan] = {}
+        self._admissions: dict[int, _Admission] = {}  # id(_Sequence) -> its pending admission
+        self._loads: dict[int, _Admission] = {}  # storage request id -> admission
+        self._held_results: list[tuple[int, LoadOutcome]] = []
+        self._hold_for: _Sequence | None = None
+        self._counts = _Counts()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def host(self) -> HostTier | None:
+        """The host tier's bookkeeping (read it; change it only through the manager)."""
+        return self._host
+
+    @property
+    def storage(self) -> StorageTier | None:
+        return self._storage
+
+    def is_ready(self, seq_id: Hashable) -> bool:
+        """Whether the sequence has no copies pending (it may run and commit)."""
+        return id(self._get(seq_id)) not in self._admissions
+
+    @property
+    def num_pending_admissions(self) -> int:
+        return len(self._admissions)
+
+    # ------------------------------------------------------------------ registration and queries
+
+    def add_sequence(
+        self,
+        seq_id: Hashable,
+        token_ids: Iterable[int] | None = None,
+        *,
+        extras: BlockExtras | None = None,
+        block_hashes: Iterable[BlockHash] | None = None,
+        num_tokens: int | None = None,
+    ) -> None:
+        """As :meth:`KVCacheManager.add_sequence`; with a storage tier, also asks (off-thread) which blocks it holds."""
+        super().add_sequence(seq_id, token_ids, extras=extras, block_hashes=block_hashes, num_tokens=num_tokens)
+        storage = self._storage
+        if storage is not None and self._caching:
+            content = self._seqs[seq_id].content
+            limit = (content.num_tokens - 1) // self._block_size
+            start = self._tree.match_length(content.hashes, limit)
+            if start < limit:
+                storage.probe(content.hashes[start:limit])
+
+    def _tier_runs(self, s: _Sequence, device: int) -> tuple[list[int], int]:
+        """Host blocks for the run after the device prefix, and the storage run after that. Pure."""
+        if not self._caching:
+            return [], 0
+        content = s.content
+        limit = (content.num_tokens - 1) // self._block_size
+        hashes = content.hashes
+        host_blocks = self._host.run(hashes, device, limit) if self._host is not None else []
+        start = device + len(host_blocks)
+        stored = self._storage.known_run(hashes, start, limit) if self._storage is not None else 0
+        return host_blocks, stored
+
+    def lookup(self, seq_id: Hashable) -> CachedTokens:
+        """Cached leading tokens per tier. Pure: no references, no eviction, no statistics, no I/O."""
+        s = self._get(seq_id)
+        content = s.content
+        size = self._block_size
+        device = self._tree.match_length(content.hashes, (content.num_tokens - 1) // size) if self._caching else 0
+        host_blocks, stored = self._tier_runs(s, device)
+        return CachedTokens(
+            device=device * size,
+            host=len(host_blocks) * size,
+            storage=stored * size,
+            num_prompt_tokens=content.num_tokens,
+        )
+
+    def blocks_short(self, seq_id: Hashable, num_new_tokens: int) -> int:
+        s = self._get(seq_id)
+        n = _count_arg(num_new_tokens, "num_new_tokens")
+        if s.table is not None:
+            return super().blocks_short(seq_id, n)
+        matched = self._match(s)
+        host_blocks, stored = self._tier_runs(s, len(matched))
+        size = self._block_size
+        cached = len(matched) + len(host_blocks) + stored
+        need = (cached * size + n + size - 1) // size - len(matched)
+        return max(0, need - (self._pool.num_free - self._pool.count_idle(matched)))
+
+    # ------------------------------------------------------------------ admission
+
+    def allocate(self, seq_id: Hashable, num_new_tokens: int) -> BlockTable | None:
+        """As :meth:`KVCacheManager.allocate`. At admission, host and storage hits get device blocks too.
+
+        Their copies are pending (see the module docstring): the swap-ins are in the
+        next :meth:`take_transfers` plan and the storage reads report through
+        :meth:`poll_loads`. ``num_new_tokens`` counts the tokens after *all* cached ones.
+        """
+        s = self._get(seq_id)
+        if s.table is not None:
+            return super().allocate(seq_id, num_new_tokens)
+        n = _count_arg(num_new_tokens, "num_new_tokens")
+        size = self._block_size
+        pool = self._pool
+        matched = self._match(s)
+        device = len(matched)
+        host_blocks, num_loads = self._tier_runs(s, device)
+        cached = device + len(host_blocks) + num_loads
+        covered = cached * size + n
+        need = (covered + size - 1) // size - device
+        if need > pool.num_free - pool.count_idle(matched):
+            return None
+        if device:
+            pool._acquire_valid(matched)
+        if host_blocks:
+            self._host.acquire(host_blocks)  # type: ignore[union-attr]  # before eviction can write back into host
+        if need:
+            matched += self._take(need)
+        s.table = matched
+        s.view = BlockTable(matched)
+        s.num_covered = covered
+        s.num_committed = device * size
+        if not host_blocks and not num_loads:
+            cached_tokens = CachedTokens(device=device * size, num_prompt_tokens=s.content.num_tokens)
+            self._counters.record(cached_tokens, readmission=s.preempted)
+            return s.view
+        admission = _Admission(seq_id, s, device, host_blocks, num_loads)
+        plan = self._open
+        if host_blocks:
+            admission.swap_plan = plan.id
+            targets = matched[device : device + len(host_blocks)]
+            plan.swap_ins.extend(zip(host_blocks, targets, [admission] * len(targets), strict=True))
+        if num_loads:
+            start = device + len(host_blocks)
+            storage = self._storage
+            request = storage.load(s.content.hashes[start : start + num_loads])  # type: ignore[union-attr]
+            admission.load_request = request
+            admission.load_plan = plan.id
+            admission.deadline = time.monotonic() + storage.timeout_s  # type: ignore[union-attr]
+            self._loads[request] = admission
+        self._admissions[id(s)] = admission
+        return s.view
+
+    def _take(self, count: int) -> list[int]:
+        pool = self._pool
+        short = count - pool.num_fresh
+        if short > 0:
+            hashes: list[BlockHash] = []
+            evicted = self._tree.evict(short, hashes)
+            if evicted:
+                self._evicted_from_device(evicted, hashes)
+        return pool.take_fresh(count)
+
+    def _evicted_from_device(self, blocks: list[int], hashes: list[BlockHash]) -> None:
+        """Write-back: evicted device content moves down a tier (the copies run before any reuse)."""
+        host = self._host
+        for block, block_hash in zip(blocks, hashes, strict=True):
+            if host is not None:
+                if block_hash in host:
+                    host.touch(block_hash)
+                    continue
+                if self._host_write_back:
+                    if self._copy_to_host(block, block_hash):
+                        continue
+                    self._counts.write_backs_without_host_room += 1
+            if self._storage_write_back:
+                self._plan_save("device", block, block_hash)
+
+    def _copy_to_host(self, block: int, block_hash: BlockHash) -> bool:
+        reserved = self._host.reserve(block_hash)  # type: ignore[union-attr]
+        if reserved is None:
+            return False
+        host_block, evicted = reserved
+        if evicted is not None and self._storage_write_back:
+            self._plan_save("host", host_block, evicted)  # saved before the swap-out overwrites it
+        self._open.swap_outs.append((block, host_block, block_hash))
+        return True
+
+    def _plan_save(self, tier: str, block: int, block_hash: BlockHash) -> bool:
+        storage = self._storage
+        plan = self._open
+        if storage is None or storage.is_known(block_hash) or block_hash in plan.queued:
+            return False
+        plan.saves.append(BlockSave(tier, block, block_hash))
+        plan.queued.add(block_hash)
+        self._counts.saves_planned += 1
+        return True
+
+    # ------------------------------------------------------------------ commit, free, preempt
+
+    def commit(self, seq_id: Hashable, num_computed_tokens: int) -> None:
+        """As :meth:`KVCacheManager.commit`; refused while the sequence's cached prefix is still being copied."""
+        s = self._get(seq_id)
+        if id(s) in self._admissions:
+            raise SequenceStateError(f"sequence {seq_id!r} has transfers pending: complete them before commit")
+        start = s.num_committed // self._block_size
+        super().commit(seq_id, num_computed_tokens)
+        if self._host_write_through or self._storage_write_through:
+            self._committed(s, start, s.num_committed // self._block_size)
+
+    def _committed(self, s: _Sequence, start: int, stop: int) -> None:
+        """Write-through: newly committed blocks are copied to host and/or queued for storage."""
+        if stop <= start or not self._caching:
+            return
+        hashes = s.content.hashes
+        block_of = self._tree.block_of
+        host = self._host
+        for position in range(start, stop):
+            block_hash = hashes[position]
+            node = block_of(block_hash)
+            if node is None:
+                continue
+            if (
+                self._host_write_through
+                and block_hash not in host  # type: ignore[operator]
+                and not self._copy_to_host(node, block_hash)
+            ):
+                self._counts.write_backs_without_host_room += 1
+            if self._storage_write_through:
+                self._plan_save("device", node, block_hash)
+
+    def preempt(self, seq_id: Hashable) -> None:
+        """As :meth:`KVCacheManager.preempt`. With ``save_on_preempt``, committed blocks are first queued
+        for storage, and the sequence's blocks stay held until the plan that saves them completes."""
+        s = self._get(seq_id)
+        if self._save_on_preempt and s.table is not None and id(s) not in self._admissions and self._caching:
+            before = len(self._open.saves)
+            pins = s.pins or {}
+            table = s.table
+            hashes = s.content.hashes
+            for position in range(s.num_committed // self._block_size):
+                self._plan_save("device", pins.get(position, table[position]), hashes[position])
+            if len(self._open.saves) > before:
+                self._hold_for = s
+        try:
+            super().preempt(seq_id)
+        finally:
+            self._hold_for = None
+
+    def _release(self, s: _Sequence) -> None:
+        if s.table is None:
+            return
+        order = list(self._release_order(s))
+        defer_to = self._cancel_admission(s)
+        if defer_to is None and self._hold_for is s:
+            defer_to = self._open
+        if defer_to is None:
+            self._pool._release_valid(order)
+        else:
+            defer_to.deferred.append(order)
+        self._clear_table(s)
+
+    def _cancel_admission(self, s: _Sequence) -> _Plan | None:
+        """Forget a pending admission; returns the in-flight plan still copying into its blocks, if any."""
+        admission = self._admissions.pop(id(s), None)
+        if admission is None:
+            return None
+        admission.cancelled = True
+        self._loads.pop(admission.load_request, None)
+        size = self._block_size
+        self._counters.record(
+            CachedTokens(device=admission.device * size, num_prompt_tokens=s.content.num_tokens),
+            readmission=admission.readmission,
+        )
+        if admission.swaps_ok is not None:
+            return None
+        if admission.swap_plan == self._open.id:  # not handed out yet: drop its swap-ins
+            plan = self._open
+            plan.swap_ins = [entry for entry in plan.swap_ins if entry[2] is not admission]
+            self._host.release(admission.host_blocks)  # type: ignore[union-attr]
+            return None
+        return self._inflight[admission.swap_plan]
+
+    # ------------------------------------------------------------------ transfers
+
+    def take_transfers(self) -> TransferPlan:
+        """The copies this step's scheduling calls planned; run them in order, then :meth:`complete_transfers`."""
+        plan = self._open
+        self._open = _Plan(plan.id + 1)
+        if plan.saves or plan.swap_outs or plan.swap_ins or plan.deferred:
+            self._inflight[plan.id] = plan
+        return plan.frozen()
+
+    def complete_transfers(
+        self,
+        plan: TransferPlan,
+        *,
+        saved: Sequence[object] | None = None,
+        failed_swap_ins: Collection[int] = (),
+        failed_swap_outs: Collection[int] = (),
+    ) -> None:
+        """Report that ``plan`` ran.
+
+        ``saved`` holds the payload of each of ``plan.saves`` (one bytes-like per block, or
+        one per rank): they are queued for storage. Without it the saves are dropped and
+        counted. ``failed_swap_ins`` / ``failed_swap_outs`` name the device / host blocks
+        whose copy failed: a failed swap-in leaves its host block a host hit and the
+        sequence computes those tokens; a failed swap-out host block becomes free.
+        """
+        if not isinstance(plan, TransferPlan):
+            raise InvalidArgumentError(f"expected a TransferPlan, got {type(plan).__name__}")
+        state = self._inflight.get(plan.id)
+        if state is None:
+            if not plan:
+                return
+            raise InvalidArgumentError(f"transfer plan {plan.id} is unknown or already completed")
+        failed_in = set(failed_swap_ins)
+        failed_out = set(failed_swap_outs)
+        if not failed_in <= {d for _, d, _ in state.swap_ins}:
+            raise InvalidArgumentError(f"failed_swap_ins {sorted(failed_in)} are not swap-in targets of this plan")
+        if not failed_out <= {h for _, h, _ in state.swap_outs}:
+            raise InvalidArgumentError(f"failed_swap_outs {sorted(failed_out)} are not swap-out targets of this plan")
+        storage = self._storage
+        if saved is not None and state.saves:
+            storage.save([save.block_hash for save in state.saves], saved)  # type: ignore[union-attr]  # validates first
+        elif state.saves:
+            self._counts.saves_without_payload += len(state.saves)
+        del self._inflight[plan.id]
+        counts = self._counts
+        host = self._host
+        for _, host_block, block_hash in state.swap_outs:
+            ok = host_block not in failed_out
+            host.complete(block_hash, host_block, ok)  # type: ignore[union-attr]
+            counts.swap_outs += int(ok)
+            counts.swap_out_failures += int(not ok)
+        if state.swap_ins:
+            host.release([h for h, _, _ in state.swap_ins])  # type: ignore[union-attr]
+            leading: dict[_Admission, int] = {}  # swap-ins that succeeded before the first failure
+            broken: set[_Admission] = set()
+            for _, device_block, admission in state.swap_ins:
+                leading.setdefault(admission, 0)
+                if device_block in failed_in:
+                    broken.add(admission)
+                    counts.swap_in_failures += 1
+                elif admission not in broken:
+                    leading[admission] += 1
+                    counts.swap_ins += 1
+            for admission, run in leading.items():
+                if not admission.cancelled:
+                    admission.swaps_ok = run
+                    self._finish(admission)
+        for order in state.deferred:
+            self._pool._release_valid(order)
+
+    def poll_loads(self) -> list[LoadResult]:
+        """Storage reads that finished (or timed out) since the last poll. Never waits.
+
+        A read is reported only once the plan of the step that admitted its sequence was
+        taken, so a block evicted in that step is saved before a load overwrites it.
+        """
+        storage = self._storage
+        if storage is None:
+            return []
+        results: list[LoadResult] = []
+        held, self._held_results = self._held_results, []
+        taken = self._open.id  # plans with a smaller id were handed out
+        for request, outcome in held + storage.take_results():
+            admission = self._loads.get(request)
+            if admission is None:
+                continue  # cancelled or timed out: its blocks may belong to someone else now
+            if admission.load_plan >= taken:
+                self._held_results.append((request, outcome))
+                continue
+            del self._loads[request]
+            results.append(self._loaded(admission, outcome, timed_out=False))
+        now = time.monotonic()
+        for request, admission in list(self._loads.items()):
+            if admission.deadline <= now and admission.load_plan < taken:
+                del self._loads[request]
+                storage.note_timeout(admission.num_loads)
+                results.append(self._loaded(admission, LoadOutcome((), admission.num_loads), timed_out=True))
+        return results
+
+    def _loaded(self, admission: _Admission, outcome: LoadOutcome, *, timed_out: bool) -> LoadResult:
+        ok = len(outcome.payloads)
+        admission.loads_ok = ok
+        payloads = outcome.payloads
+        if admission.swaps_ok is not None and admission.swaps_ok < len(admission.host_blocks):
+            payloads = ()  # the run broke before the stored blocks: they are of no use
+        start = admission.device + len(admission.host_blocks)
+        table = admission.seq.table
+        blocks = tuple(table[start : start + len(payloads)])  # type: ignore[index]
+        result = LoadResult(admission.seq_id, blocks, payloads, admission.num_loads, timed_out)
+        self._finish(admission)
+        return result
+
+    def _finish(self, admission: _Admission) -> None:
+        """Both copies are settled: the usable leading run becomes committed, the rest goes back to the pool."""
+        if admission.swaps_ok is None or admission.loads_ok is None:
+            return
+        s = admission.seq
+        del self._admissions[id(s)]
+        size = self._block_size
+        host_ok = admission.swaps_ok
+        stored_ok = admission.loads_ok if host_ok == len(admission.host_blocks) else 0
+        valid = admission.device + host_ok + stored_ok
+        self._counters.record(
+            CachedTokens(
+                device=admission.device * size,
+                host=host_ok * size,
+                storage=stored_ok * size,
+                num_prompt_tokens=s.content.num_tokens,
+            ),
+            readmission=admission.readmission,
+        )
+        table = s.table
+        if table is None:
+            raise IntegrityError(f"pending admission of {admission.seq_id!r} lost its table")
+        if valid < admission.device + len(admission.host_blocks) + admission.num_loads:
+            dropped = table[valid:]
+            del table[valid:]
+            self._pool._release_valid(reversed(dropped))  # never committed: back to the fresh queue
+            s.num_covered = valid * size
+        if valid > admission.device:
+            KVCacheManager.commit(self, admission.seq_id, valid * size)
+            if self._host_write_through or self._storage_write_through:
+                self._committed(s, admission.device, valid)
+
+    # ------------------------------------------------------------------ maintenance
+
+    def reset_prefix_cache(self) -> bool:
+        """Also empties the host tier; refused while blocks are in use or transfers are pending."""
+        if self._inflight or self._admissions or self._open.swap_outs:
+            return False
+        if not super().reset_prefix_cache():
+            return False
+        if self._host is not None:
+            self._host.clear()
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued storage writes are done (shutdown, tests). True if they are."""
+        return self._storage.flush(timeout) if self._storage is not None else True
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Stop the storage threads (queued writes get ``timeout`` seconds) and close the backend."""
+        if self._storage is not None:
+            self._storage.close(timeout)
+
+    @property
+    def tier_stats(self) -> TierStats:
+        host = self._host
+        storage = self._storage
+        counts = {f.name: getattr(self._counts, f.name) for f in fields(self._counts)}
+        return TierStats(
+            host_blocks=host.pool.num_blocks if host is not None else 0,
+            host_blocks_cached=len(host) if host is not None else 0,
+            host_evicted=host.num_evicted if host is not None else 0,
+            storage=storage.stats.snapshot() if storage is not None else None,
+            writer=storage.writer.stats.snapshot() if storage is not None else None,
+            **counts,
+        )
+
+    def _count_other_holders(self, expected: list[int]) -> None:
+        for plan in (self._open, *self._inflight.values()):
+            for order in plan.deferred:
+                for block in order:
+                    expected[block] += 1
+
+    def check_integrity(self) -> None:
+        """Also checks the host tier, the plans and the pending admissions."""
+        super().check_integrity()
+        plans = (self._open, *self._inflight.values())
+        host = self._host
+        if host is not None:
+            host.check_integrity()
+            holders = [0] * host.pool.num_blocks
+            for plan in plans:
+                for host_block, _, _ in plan.swap_ins:
+                    holders[host_block] += 1
+                for _, host_block, _ in plan.swap_outs:
+                    holders[host_block] += 1
+            for b, count in enumerate(holders):
+                if host.pool.ref_count(b) != count:
+                    raise IntegrityError(f"host block {b} has ref count {host.pool.ref_count(b)} but {count} holders")
+        elif any(plan.swap_ins or plan.swap_outs for plan in plans):
+            raise IntegrityError("a plan moves blocks to or from a host tier that does not exist")
+        for admission in self._admissions.values():
+            s = admission.seq
+            table = s.table
+            stop = admission.device + len(admission.host_blocks) + admission.num_loads
+            if table is None or len(table) < stop or admission.cancelled:
+                raise IntegrityError(f"pending admission of {admission.seq_id!r} lost its blocks")
+            if s.num_committed != admission.device * self._block_size:
+                raise IntegrityError(f"sequence {admission.seq_id!r} committed past its pending copies")
+            hashes = s.content.hashes
+            for position in range(admission.device, stop):
+                if self._tree.block_of(hashes[position]) == table[position]:
+                    raise IntegrityError(f"block {table[position]} is matchable before its copy completed")

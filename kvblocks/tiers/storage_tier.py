@@ -1,0 +1,320 @@
+"""The storage tier as the manager sees it: an index of stored hashes, and I/O on two threads.
+
+The manager's scheduling calls never touch the backend. They read an in-memory index
+of block hashes known to be stored, queue writes, and queue reads; a writer thread
+and a reader thread do the I/O and hand results back through queues::
+
+    scheduler thread                      I/O threads                   backend
+    lookup ─── index (hashes known stored)
+    save   ─── encode ─> AsyncWriter queue ─> writer thread ─ exists/put ─> ...
+    load   ─── request ─> read queue       ─> reader thread ─ get/decode ─> ...
+    poll   <── results queue <──────────────── payloads of the leading run
+
+The index learns from successful writes, from probes (``probe``: are this prompt's
+blocks stored by some other node?) and forgets hashes a read finds missing or corrupt.
+It may be stale -- another node's budget evicted an entry -- which costs a miss, never
+wrong KV: every entry is checked against its header and checksum when read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.hashing import BlockHash, Namespace
+from kvblocks.tiers.config import TierConfig
+from kvblocks.tiers.entry import EntryFormat, block_key, namespace_tag
+from kvblocks.tiers.storage import StorageBackend
+from kvblocks.tiers.writer import AsyncWriter
+
+__all__ = ["LoadOutcome", "StorageTier", "StorageTierStats"]
+
+_log = logging.getLogger("kvblocks.tiers")
+_MAX_QUEUED_PROBES = 256
+
+Payload = memoryview
+
+
+@dataclass
+class StorageTierStats:
+    """Monotonic counters of the storage tier, in blocks."""
+
+    saves_queued: int = 0
+    loads_requested: int = 0
+    loads_hit: int = 0
+    loads_missing: int = 0
+    loads_corrupt: int = 0
+    loads_beyond_a_miss: int = 0
+    load_timeouts: int = 0
+    load_errors: int = 0
+    probes: int = 0
+    probes_dropped: int = 0
+
+    def snapshot(self) -> StorageTierStats:
+        return StorageTierStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """What a read found: payloads of the usable leading run (one per rank per block)."""
+
+    payloads: tuple[tuple[Payload, ...], ...]
+    requested: int
+
+
+@dataclass
+class _Request:
+    id: int
+    hashes: tuple[BlockHash, ...]
+    load: bool
+    cancelled: bool = field(default=False)
+
+
+class StorageTier:
+    """Keys, index, writer and reader of one manager's storage tier (see the module docstring)."""
+
+    def __init__(self, config: TierConfig, namespace: Namespace, scheme: str, block_size: int) -> None:
+        if config.storage is None or config.entry_format is None:
+            raise ValueError("StorageTier needs a TierConfig with storage and entry_format")
+        self.backend: StorageBackend = config.storage
+        self.format: EntryFormat = config.entry_format
+        self.timeout_s = float(config.storage_timeout_s)
+        self._scheme = scheme
+        self._tag = namespace_tag(namespace, scheme, block_size)
+        self._ranks: tuple[int | None, ...] = config.ranks or (None,)
+        self._index: OrderedDict[BlockHash, None] = OrderedDict()
+        self._index_size = config.storage_index_size
+        self._lock = threading.Lock()  # guards the index and the pending-save bookkeeping only
+        self._saving: dict[str, BlockHash] = {}
+        self._shards_stored: dict[BlockHash, int] = {}
+        self.stats = StorageTierStats()
+        self._healthy = True
+        self._ids = itertools.count()
+        self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._queued_probes = 0
+        self._results: queue.SimpleQueue[tuple[int, LoadOutcome]] = queue.SimpleQueue()
+        self.writer = AsyncWriter(self.backend, max_pending=config.max_pending_writes, on_stored=self._on_stored)
+        self._reader = threading.Thread(target=self._read_loop, name="kvblocks-storage-reader", daemon=True)
+        self._reader.start()
+        self._closed = False
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._ranks)
+
+    @property
+    def healthy(self) -> bool:
+        """False from a read timeout until the backend answers again; storage hits are not reported meanwhile."""
+        return self._healthy
+
+    def keys_of(self, block_hash: BlockHash) -> list[str]:
+        return [block_key(self._tag, self._scheme, block_hash, rank) for rank in self._ranks]
+
+    # ------------------------------------------------------------------ index (scheduler thread)
+
+    def known_run(self, hashes: Sequence[BlockHash], start: int, stop: int) -> int:
+        """How many of ``hashes[start:stop]``, from ``start``, are known stored. No I/O."""
+        if not self._healthy or not self._index:
+            return 0
+        index = self._index
+        n = 0
+        with self._lock:
+            for i in range(start, stop):
+                if hashes[i] not in index:
+                    break
+                n += 1
+        return n
+
+    def is_known(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._index
+
+    def _remember(self, hashes: Sequence[BlockHash]) -> None:
+        with self._lock:
+            index = self._index
+            for h in hashes:
+                index[h] = None
+                index.move_to_end(h)
+            while len(index) > self._index_size:
+                index.popitem(last=False)
+
+    def _forget(self, hashes: Sequence[BlockHash]) -> None:
+        with self._lock:
+            for h in hashes:
+                self._index.pop(h, None)
+
+    # ------------------------------------------------------------------ writes
+
+    def save(self, hashes: Sequence[BlockHash], payloads: Sequence[object]) -> None:
+        """Queue entries for ``hashes``: each payload is the block's bytes, or one per rank.
+
+        Every payload is encoded (and its length checked) before anything is queued, so a
+        wrong payload raises and queues nothing.
+        """
+        shards = len(self._ranks)
+        if len(payloads) != len(hashes):
+            raise InvalidArgumentError(f"{len(hashes)} blocks to save but {len(payloads)} payloads")
+        encode = self.format.encode
+        items: list[tuple[str, bytes]] = []
+        owners: list[BlockHash] = []
+        for h, payload in zip(hashes, payloads, strict=True):
+            parts: tuple[Any, ...] = (payload,) if shards == 1 else tuple(payload)  # type: ignore[arg-type]
+            if len(parts) != shards:
+                raise InvalidArgumentError(f"expected one payload per rank ({shards}), got {len(parts)}")
+            for key, part in zip(self.keys_of(h), parts, strict=True):
+                try:
+                    items.append((key, encode(part)))
+                except (TypeError, ValueError) as e:
+                    raise InvalidArgumentError(f"payload of a block to save: {e}") from None
+                owners.append(h)
+        with self._lock:
+            for (key, _), h in zip(items, owners, strict=True):
+                self._saving[key] = h
+        self.stats.saves_queued += len(hashes)
+        self.writer.submit(items)
+
+    def _on_stored(self, keys: list[str]) -> None:
+        """Writer thread: entries are stored; a hash is known once every rank's shard is."""
+        done: list[BlockHash] = []
+        shards = len(self._ranks)
+        with self._lock:
+            for key in keys:
+                h = self._saving.pop(key, None)
+                if h is None:
+                    continue
+                count = self._shards_stored.get(h, 0) + 1
+                if count == shards:
+                    self._shards_stored.pop(h, None)
+                    done.append(h)
+                else:
+                    self._shards_stored[h] = count
+        if done:
+            self._remember(done)
+
+    # ------------------------------------------------------------------ reads
+
+    def probe(self, hashes: Sequence[BlockHash]) -> None:
+        """Ask, off-thread, which leading ``hashes`` are stored; the answer feeds the index."""
+        if self._queued_probes >= _MAX_QUEUED_PROBES:
+            self.stats.probes_dropped += 1
+            return
+        self._queued_probes += 1
+        self.stats.probes += 1
+        self._requests.put(_Request(next(self._ids), tuple(hashes), load=False))
+
+    def load(self, hashes: Sequence[BlockHash]) -> int:
+        """Queue a read of ``hashes``' entries; returns a request id for :meth:`take_results`."""
+        request = _Request(next(self._ids), tuple(hashes), load=True)
+        self.stats.loads_requested += len(hashes)
+        self._requests.put(request)
+        return request.id
+
+    def take_results(self) -> list[tuple[int, LoadOutcome]]:
+        """Finished reads, without waiting."""
+        out = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def note_timeout(self, num_blocks: int) -> None:
+        """A read outlived its deadline: count it; report no storage hits until the backend answers."""
+        self.stats.load_timeouts += num_blocks
+        self._healthy = False
+
+    def _read_loop(self) -> None:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            try:
+                if request.load:
+                    outcome = self._read(request.hashes)
+                    self._results.put((request.id, outcome))
+                else:
+                    self._queued_probes -= 1
+                    self._probe(request.hashes)
+            except Exception:  # a backend bug must not kill the reader: the read becomes a miss
+                _log.exception("storage read failed")
+                self.stats.load_errors += len(request.hashes) if request.load else 0
+                if request.load:
+                    self._results.put((request.id, LoadOutcome((), len(request.hashes))))
+            self._healthy = True
+
+    def _read(self, hashes: tuple[BlockHash, ...]) -> LoadOutcome:
+        """One batched get; decode every shard; keep the leading run whose shards are all sound.
+
+        Corrupt entries are deleted; hashes found absent or corrupt leave the index.
+        """
+        shards = len(self._ranks)
+        keys = [key for h in hashes for key in self.keys_of(h)]
+        values = self.backend.get(keys)
+        decode = self.format.decode
+        decoded: list[tuple[Payload, ...]] = []
+        failed: list[BlockHash] = []
+        corrupt: list[str] = []
+        absent = 0
+        for i, h in enumerate(hashes):
+            parts = []
+            for j in range(shards):
+                payload, reason = decode(values[i * shards + j])
+                if payload is not None:
+                    parts.append(payload)
+                elif reason == "absent":
+                    absent += 1
+                else:
+                    corrupt.append(keys[i * shards + j])
+            if len(parts) < shards:
+                failed.append(h)
+            elif len(failed) == 0:
+                decoded.append(tuple(parts))
+        usable = len(decoded)
+        if corrupt:
+            _log.warning("%d corrupt storage entries removed", len(corrupt))
+            self.backend.delete(corrupt)
+        if failed:
+            self._forget(failed)
+        stats = self.stats
+        stats.loads_hit += usable
+        stats.loads_missing += absent
+        stats.loads_corrupt += len(corrupt)
+        stats.loads_beyond_a_miss += max(0, len(hashes) - usable - 1)
+        return LoadOutcome(tuple(decoded), len(hashes))
+
+    def _probe(self, hashes: tuple[BlockHash, ...]) -> None:
+        with self._lock:
+            unknown = [h for h in hashes if h not in self._index]
+        if not unknown:
+            return
+        shards = len(self._ranks)
+        present = self.backend.exists([key for h in unknown for key in self.keys_of(h)])
+        found = []
+        for i, h in enumerate(unknown):
+            if all(present[i * shards : (i + 1) * shards]):
+                found.append(h)
+        self._remember(found)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued writes (shutdown, tests)."""
+        return self.writer.flush(timeout)
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Stop both threads (queued writes get ``timeout`` seconds) and close the backend."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.writer.close(timeout)
+        self._requests.put(None)
+        self._reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.backend.close()

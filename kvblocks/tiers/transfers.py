@@ -1,0 +1,66 @@
+"""What the engine must move between tiers: one plan per scheduling step, and storage loads.
+
+A :class:`TransferPlan` is executed in field order, before the step's forward pass::
+
+    1. saves      gather device/host blocks -> storage entries   (a snapshot before any reuse)
+    2. swap_outs  device block -> host block                      (write-back / write-through)
+    3. swap_ins   host block   -> device block                    (host hits of admitted sequences)
+
+The order matters: a device block evicted in this step may be both the source of a
+swap-out (1-2) and the target of a swap-in (3); a host block evicted to make room may be
+both saved (1) and overwritten by a swap-out (2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from kvblocks.hashing import BlockHash
+
+__all__ = ["BlockSave", "LoadResult", "TransferPlan"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSave:
+    """Write block ``block`` of tier ``tier`` ("device" or "host") to storage under ``block_hash``."""
+
+    tier: str
+    block: int
+    block_hash: BlockHash
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """The copies of one step; hand it back with ``complete_transfers`` once they ran."""
+
+    id: int
+    saves: tuple[BlockSave, ...] = ()
+    swap_outs: tuple[tuple[int, int], ...] = ()
+    """(device block, host block) pairs."""
+    swap_ins: tuple[tuple[int, int], ...] = ()
+    """(host block, device block) pairs."""
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.swap_outs or self.swap_ins)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """A finished storage read for one admitted sequence.
+
+    ``payloads[i]`` (one bytes view per tensor-parallel rank) goes into device block
+    ``blocks[i]``; write them before the sequence's next forward pass. Blocks the read
+    could not provide are not listed: when ``len(blocks) < requested`` the sequence's
+    table was cut back and its remaining tokens must be computed (allocate them again).
+    """
+
+    seq_id: Hashable
+    blocks: tuple[int, ...]
+    payloads: tuple[tuple[memoryview, ...], ...]
+    requested: int
+    timed_out: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self.blocks) == self.requested

@@ -31,8 +31,9 @@ def content_of(block_hash: BlockHash) -> bytes:
 class SimEngine:
     """Runs a :class:`TieredKVCacheManager` the way an engine does, with memories it can check."""
 
-    def __init__(self, manager: TieredKVCacheManager) -> None:
+    def __init__(self, manager: TieredKVCacheManager, *, settle: bool = False) -> None:
         self.m = manager
+        self.settle = settle  # default of step(settle=...)
         self.device: dict[int, bytes] = {}
         self.host: dict[int, bytes] = {}
         self.fail_swap_ins: set[int] = set()
@@ -62,8 +63,14 @@ class SimEngine:
             for block, parts in zip(result.blocks, result.payloads, strict=True):
                 self.device[block] = bytes(parts[0])
 
-    def step(self) -> list[LoadResult]:
+    def step(self, *, settle: bool | None = None) -> list[LoadResult]:
+        """Run the plan, then apply finished loads. ``settle`` first waits for every queued
+        write and read, so that what happens no longer depends on thread timing."""
         self.run_plan()
+        storage = self.m.storage
+        if (self.settle if settle is None else settle) and storage is not None:
+            storage.flush(5)
+            storage.wait_idle(5)
         results = self.m.poll_loads()
         self.apply(results)
         return results
@@ -98,8 +105,10 @@ class SimEngine:
             raise RuntimeError("pool too small")
         self.wait_ready(seq_id)
         missing = len(tokens) - len(m.block_table(seq_id)) * m.block_size
-        if missing > 0 and m.allocate(seq_id, len(tokens) - m.num_computed_tokens(seq_id)) is None:
-            raise RuntimeError("pool too small")
+        if missing > 0:
+            if m.allocate(seq_id, len(tokens) - m.num_computed_tokens(seq_id)) is None:
+                raise RuntimeError("pool too small")
+            self.step()  # the allocation may have evicted blocks: their copies run before the forward pass
         self.check_sequence(seq_id)
         self.compute(seq_id, len(tokens))
         m.commit(seq_id, len(tokens))

@@ -221,6 +221,11 @@ class TieredKVCacheManager(KVCacheManager):
     def num_pending_admissions(self) -> int:
         return len(self._admissions)
 
+    @property
+    def num_pending_loads(self) -> int:
+        """Storage reads not yet reported by :meth:`poll_loads`."""
+        return len(self._loads)
+
     # ------------------------------------------------------------------ registration and queries
 
     def add_sequence(

@@ -101,6 +101,9 @@ class StorageTier:
         self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self._queued_probes = 0
         self._results: queue.SimpleQueue[tuple[int, LoadOutcome]] = queue.SimpleQueue()
+        self._progress = threading.Condition()
+        self._requested = 0  # reads queued (loads and probes) ...
+        self._answered = 0  # ... and answered: equal when the reader is idle
         self.writer = AsyncWriter(self.backend, max_pending=config.max_pending_writes, on_stored=self._on_stored)
         self._reader = threading.Thread(target=self._read_loop, name="kvblocks-storage-reader", daemon=True)
         self._reader.start()
@@ -207,12 +210,14 @@ class StorageTier:
             return
         self._queued_probes += 1
         self.stats.probes += 1
+        self._requested += 1
         self._requests.put(_Request(next(self._ids), tuple(hashes), load=False))
 
     def load(self, hashes: Sequence[BlockHash]) -> int:
         """Queue a read of ``hashes``' entries; returns a request id for :meth:`take_results`."""
         request = _Request(next(self._ids), tuple(hashes), load=True)
         self.stats.loads_requested += len(hashes)
+        self._requested += 1
         self._requests.put(request)
         return request.id
 
@@ -248,6 +253,15 @@ class StorageTier:
                 if request.load:
                     self._results.put((request.id, LoadOutcome((), len(request.hashes))))
             self._healthy = True
+            with self._progress:
+                self._answered += 1
+                self._progress.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every read queued so far was answered (tests, shutdown). False on timeout."""
+        target = self._requested
+        with self._progress:
+            return self._progress.wait_for(lambda: self._answered >= target, timeout)
 
     def _read(self, hashes: tuple[BlockHash, ...]) -> LoadOutcome:
         """One batched get; decode every shard; keep the leading run whose shards are all sound.

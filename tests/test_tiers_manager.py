@@ -589,3 +589,21 @@ TieredMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_tiered_state_machine = TieredMachine.TestCase
+
+
+def test_an_entry_of_another_spec_is_a_miss_but_is_left_for_its_readers(make) -> None:
+    from kvblocks.tiers import EntryFormat
+
+    storage = MemoryStorage()
+    other = EntryFormat("xxh3-128", "uint8", (FORMAT.payload_length,), 1, FORMAT.payload_length)
+    m = make(5, storage=storage)
+    m.add_sequence("c", A)
+    hashes = m.block_hashes("c")
+    storage.put([(m.storage.keys_of(h)[0], other.encode(content_of(h))) for h in hashes])
+    assert m.storage.wait_idle(5)  # the probe from add_sequence found them
+    assert m.lookup("c").storage == 16
+    m.allocate("c", 1)
+    (result,) = SimEngine(m).wait_ready("c")
+    assert result.blocks == () and m.num_computed_tokens("c") == 0
+    assert m.tier_stats.storage.loads_incompatible == 4 and m.tier_stats.storage.loads_corrupt == 0
+    assert len(storage) == 4

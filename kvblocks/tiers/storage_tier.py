@@ -39,6 +39,7 @@ __all__ = ["LoadOutcome", "StorageTier", "StorageTierStats"]
 
 _log = logging.getLogger("kvblocks.tiers")
 _MAX_QUEUED_PROBES = 256
+_FOREIGN = frozenset({"other format version", "other scheme, dtype, shape or spec"})
 
 Payload = memoryview
 
@@ -52,6 +53,7 @@ class StorageTierStats:
     loads_hit: int = 0
     loads_missing: int = 0
     loads_corrupt: int = 0
+    loads_incompatible: int = 0
     loads_beyond_a_miss: int = 0
     load_timeouts: int = 0
     load_errors: int = 0
@@ -266,7 +268,9 @@ class StorageTier:
     def _read(self, hashes: tuple[BlockHash, ...]) -> LoadOutcome:
         """One batched get; decode every shard; keep the leading run whose shards are all sound.
 
-        Corrupt entries are deleted; hashes found absent or corrupt leave the index.
+        Corrupt entries (bad magic, short, checksum mismatch) are deleted; an entry another
+        cache spec or format version wrote is a miss but is left for its readers. Hashes that
+        failed leave the index.
         """
         shards = len(self._ranks)
         keys = [key for h in hashes for key in self.keys_of(h)]
@@ -275,7 +279,7 @@ class StorageTier:
         decoded: list[tuple[Payload, ...]] = []
         failed: list[BlockHash] = []
         corrupt: list[str] = []
-        absent = 0
+        absent = foreign = 0
         for i, h in enumerate(hashes):
             parts = []
             for j in range(shards):
@@ -284,6 +288,8 @@ class StorageTier:
                     parts.append(payload)
                 elif reason == "absent":
                     absent += 1
+                elif reason in _FOREIGN:
+                    foreign += 1  # sound, but another spec's or format version's: a miss, left alone
                 else:
                     corrupt.append(keys[i * shards + j])
             if len(parts) < shards:
@@ -299,6 +305,7 @@ class StorageTier:
         stats = self.stats
         stats.loads_hit += usable
         stats.loads_missing += absent
+        stats.loads_incompatible += foreign
         stats.loads_corrupt += len(corrupt)
         stats.loads_beyond_a_miss += max(0, len(hashes) - usable - 1)
         return LoadOutcome(tuple(decoded), len(hashes))

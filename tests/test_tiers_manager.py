@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvblocks.accounting import CachedTokens
 from kvblocks.errors import ConfigError, InvalidArgumentError, SequenceStateError
-from kvblocks.tiers import MemoryStorage, TierConfig, TieredKVCacheManager
+from kvblocks.tiers import AdmittedTable, MemoryStorage, TierConfig, TieredKVCacheManager
 from tests.tier_sim import FORMAT, SimEngine, content_of
 
 B = 4
@@ -148,6 +148,7 @@ def test_allocate_with_host_hits_plans_exact_swap_ins_and_keeps_them_pending(mak
     assert table is not None and len(table) == 5
     plan = m.take_transfers()
     assert plan.swap_ins == tuple(zip(host_blocks, table[:4], strict=True))
+    assert isinstance(table, AdmittedTable) and table.swap_ins == plan.swap_ins and table.loads == ()
     # pending: not device-resident, not committable, host sources held
     assert not m.is_ready("c") and m.num_computed_tokens("c") == 0
     with pytest.raises(SequenceStateError):
@@ -233,7 +234,9 @@ def test_evicted_blocks_are_written_to_storage_and_loaded_back(make) -> None:
     assert len(storage) == 4
     m.add_sequence("c", A)
     assert m.lookup("c") == CachedTokens(storage=16, num_prompt_tokens=17)
-    table = list(m.allocate("c", 1))
+    admitted = m.allocate("c", 1)
+    table = list(admitted)
+    assert admitted.swap_ins == () and admitted.loads == tuple(zip(table[:4], m.block_hashes("c"), strict=True))
     results = sim.wait_ready("c")
     assert [r.blocks for r in results] == [tuple(table[:4])]
     assert results[0].complete and m.num_computed_tokens("c") == 16

@@ -12,12 +12,13 @@ from kvblocks.tiers.manager import TieredKVCacheManager, TierStats
 from kvblocks.tiers.redis_storage import RedisStorage
 from kvblocks.tiers.storage import MemoryStorage, StorageBackend, StorageStats, usable_prefix
 from kvblocks.tiers.storage_tier import StorageTier, StorageTierStats
-from kvblocks.tiers.transfers import BlockSave, LoadResult, TransferPlan
+from kvblocks.tiers.transfers import AdmittedTable, BlockSave, LoadResult, TransferPlan
 from kvblocks.tiers.writer import AsyncWriter, WriterStats
 
 __all__ = [
     "HOST_POLICIES",
     "STORAGE_POLICIES",
+    "AdmittedTable",
     "AsyncWriter",
     "BlockSave",
     "EntryFormat",

@@ -38,7 +38,7 @@ from kvblocks.manager import BlockTable, KVCacheManager, _count_arg, _Sequence
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.storage_tier import LoadOutcome, StorageTier, StorageTierStats
-from kvblocks.tiers.transfers import BlockSave, LoadResult, TransferPlan
+from kvblocks.tiers.transfers import AdmittedTable, BlockSave, LoadResult, TransferPlan
 from kvblocks.tiers.writer import WriterStats
 
 __all__ = ["TierStats", "TieredKVCacheManager"]
@@ -290,9 +290,10 @@ class TieredKVCacheManager(KVCacheManager):
     def allocate(self, seq_id: Hashable, num_new_tokens: int) -> BlockTable | None:
         """As :meth:`KVCacheManager.allocate`. At admission, host and storage hits get device blocks too.
 
-        Their copies are pending (see the module docstring): the swap-ins are in the
-        next :meth:`take_transfers` plan and the storage reads report through
-        :meth:`poll_loads`. ``num_new_tokens`` counts the tokens after *all* cached ones.
+        Their copies are pending (see the module docstring). The table returned is then an
+        :class:`AdmittedTable` naming them: its ``swap_ins`` are also in the next
+        :meth:`take_transfers` plan, its ``loads`` are read on the reader thread and reported
+        by :meth:`poll_loads`. ``num_new_tokens`` counts the tokens after *all* cached ones.
         """
         s = self._get(seq_id)
         if s.table is not None:
@@ -324,20 +325,24 @@ class TieredKVCacheManager(KVCacheManager):
             return s.view
         admission = _Admission(seq_id, s, device, host_blocks, num_loads)
         plan = self._open
+        swap_ins: tuple[tuple[int, int], ...] = ()
+        start = device + len(host_blocks)
         if host_blocks:
             admission.swap_plan = plan.id
-            targets = matched[device : device + len(host_blocks)]
-            plan.swap_ins.extend(zip(host_blocks, targets, [admission] * len(targets), strict=True))
+            swap_ins = tuple(zip(host_blocks, matched[device:start], strict=True))
+            plan.swap_ins.extend((h, d, admission) for h, d in swap_ins)
+        loaded = s.content.hashes[start : start + num_loads]
+        view = AdmittedTable(matched, swap_ins, tuple(zip(matched[start : start + num_loads], loaded, strict=True)))
+        s.view = view
         if num_loads:
-            start = device + len(host_blocks)
             storage = self._storage
-            request = storage.load(s.content.hashes[start : start + num_loads])  # type: ignore[union-attr]
+            request = storage.load(loaded)  # type: ignore[union-attr]
             admission.load_request = request
             admission.load_plan = plan.id
             admission.deadline = time.monotonic() + storage.timeout_s  # type: ignore[union-attr]
             self._loads[request] = admission
         self._admissions[id(s)] = admission
-        return s.view
+        return view
 
     def _take(self, count: int) -> list[int]:
         pool = self._pool

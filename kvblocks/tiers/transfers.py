@@ -17,8 +17,31 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from kvblocks.hashing import BlockHash
+from kvblocks.manager import BlockTable
 
-__all__ = ["BlockSave", "LoadResult", "TransferPlan"]
+__all__ = ["AdmittedTable", "BlockSave", "LoadResult", "TransferPlan"]
+
+
+class AdmittedTable(BlockTable):
+    """The block table of an admission with host or storage hits, and the copies that fill it.
+
+    ``swap_ins`` are (host block, device block) pairs -- the same ones the step's
+    :class:`TransferPlan` carries -- and ``loads`` the (device block, block hash) pairs being
+    read from storage, reported later by ``poll_loads``. Like any :class:`BlockTable` it
+    follows the sequence's table; ``swap_ins`` and ``loads`` stay what the admission planned.
+    """
+
+    __slots__ = ("loads", "swap_ins")
+
+    def __init__(
+        self, ids: list[int], swap_ins: tuple[tuple[int, int], ...], loads: tuple[tuple[int, BlockHash], ...]
+    ) -> None:
+        super().__init__(ids)
+        self.swap_ins = swap_ins
+        self.loads = loads
+
+    def __repr__(self) -> str:
+        return f"AdmittedTable({self._ids!r}, swap_ins={self.swap_ins!r}, loads={len(self.loads)})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -610,3 +610,29 @@ def test_an_entry_of_another_spec_is_a_miss_but_is_left_for_its_readers(make) ->
     assert result.blocks == () and m.num_computed_tokens("c") == 0
     assert m.tier_stats.storage.loads_incompatible == 4 and m.tier_stats.storage.loads_corrupt == 0
     assert len(storage) == 4
+
+
+def test_reads_of_freed_admissions_are_skipped_not_queued_behind(make) -> None:
+    class SlowGet(MemoryStorage):
+        def get(self, keys):
+            time.sleep(0.02)
+            return super().get(keys)
+
+    storage = SlowGet()
+    m = make(16, storage=storage, storage_timeout_s=0.5)
+    sim = SimEngine(m)
+    tokens = list(range(100, 121))
+    m.add_sequence("a", tokens)
+    storage.put([(m.storage.keys_of(h)[0], FORMAT.encode(content_of(h))) for h in m.block_hashes("a")])
+    assert m.storage.wait_idle(5) and m.lookup("a").storage == 20
+    for _ in range(40):  # preemption churn: 40 reads queued, each admission gone before its read
+        m.allocate("a", 1)
+        sim.run_plan()
+        m.preempt("a")
+        sim.run_plan()
+    m.free("a")
+    m.add_sequence("b", tokens)
+    m.allocate("b", 1)
+    (*_, result) = sim.wait_ready("b")
+    assert not result.timed_out and len(result.blocks) == 5  # 40 x 20 ms of stale reads would outlast 0.5 s
+    assert m.tier_stats.storage.loads_cancelled >= 5 * 35 and m.tier_stats.storage.load_timeouts == 0

@@ -80,17 +80,20 @@ class HostTier:
         """
         if block_hash in self._block_of or block_hash in self._pending:
             raise InvalidArgumentError("the host tier already holds or is receiving this block")
-        pool = self.pool
+        pool = self.pool  # package-private access, as the tree has: this runs once per written-back block
         evicted: BlockHash | None = None
-        if not pool.num_fresh:
-            if not pool.num_idle:
-                return None
-            victim = next(iter(pool._idle))
-            evicted = pool.content_key(victim)  # type: ignore[assignment]
+        if pool._fresh:
+            block = pool._fresh.popleft()
+        elif pool._idle:
+            block = next(iter(pool._idle))
+            del pool._idle[block]
+            evicted = pool._key[block]  # type: ignore[assignment]
+            pool._key[block] = None
             del self._block_of[evicted]  # type: ignore[arg-type]
-            pool.evict(victim)
             self.num_evicted += 1
-        (block,) = pool.take_fresh(1)
+        else:
+            return None
+        pool._ref[block] = 1
         self._pending[block_hash] = block
         return block, evicted
 
@@ -101,7 +104,7 @@ class HostTier:
         del self._pending[block_hash]
         if ok:
             self._block_of[block_hash] = block
-            self.pool.mark_cached(block, block_hash)
+            self.pool._key[block] = block_hash
         self.pool._release_valid((block,))
 
     def clear(self) -> None:

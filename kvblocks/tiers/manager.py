@@ -459,7 +459,8 @@ class TieredKVCacheManager(KVCacheManager):
         if admission is None:
             return None
         admission.cancelled = True
-        self._loads.pop(admission.load_request, None)
+        if self._loads.pop(admission.load_request, None) is not None:
+            self._storage.cancel(admission.load_request)  # type: ignore[union-attr]
         size = self._block_size
         self._counters.record(
             CachedTokens(device=admission.device * size, num_prompt_tokens=s.content.num_tokens),
@@ -570,6 +571,7 @@ class TieredKVCacheManager(KVCacheManager):
         for request, admission in list(self._loads.items()):
             if admission.deadline <= now and admission.load_plan < taken:
                 del self._loads[request]
+                storage.cancel(request)
                 storage.note_timeout(admission.num_loads)
                 results.append(self._loaded(admission, LoadOutcome((), admission.num_loads), timed_out=True))
         return results

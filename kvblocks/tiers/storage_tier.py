@@ -56,6 +56,7 @@ class StorageTierStats:
     loads_incompatible: int = 0
     loads_beyond_a_miss: int = 0
     load_timeouts: int = 0
+    loads_cancelled: int = 0
     load_errors: int = 0
     probes: int = 0
     probes_dropped: int = 0
@@ -102,6 +103,7 @@ class StorageTier:
         self._ids = itertools.count()
         self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self._queued_probes = 0
+        self._queued_loads: dict[int, _Request] = {}  # loads not yet started, for cancel()
         self._results: queue.SimpleQueue[tuple[int, LoadOutcome]] = queue.SimpleQueue()
         self._progress = threading.Condition()
         self._requested = 0  # reads queued (loads and probes) ...
@@ -117,7 +119,7 @@ class StorageTier:
 
     @property
     def healthy(self) -> bool:
-        """False from a read timeout until the backend answers again; storage hits are not reported meanwhile."""
+        """False from a read timeout until the reader answers a request again; no storage hits meanwhile."""
         return self._healthy
 
     def keys_of(self, block_hash: BlockHash) -> list[str]:
@@ -207,10 +209,11 @@ class StorageTier:
 
     def probe(self, hashes: Sequence[BlockHash]) -> None:
         """Ask, off-thread, which leading ``hashes`` are stored; the answer feeds the index."""
-        if self._queued_probes >= _MAX_QUEUED_PROBES:
-            self.stats.probes_dropped += 1
-            return
-        self._queued_probes += 1
+        with self._lock:
+            if self._queued_probes >= _MAX_QUEUED_PROBES:
+                self.stats.probes_dropped += 1
+                return
+            self._queued_probes += 1
         self.stats.probes += 1
         self._requested += 1
         self._requests.put(_Request(next(self._ids), tuple(hashes), load=False))
@@ -220,8 +223,16 @@ class StorageTier:
         request = _Request(next(self._ids), tuple(hashes), load=True)
         self.stats.loads_requested += len(hashes)
         self._requested += 1
+        self._queued_loads[request.id] = request
         self._requests.put(request)
         return request.id
+
+    def cancel(self, request_id: int) -> None:
+        """The caller no longer wants a queued read: the reader skips it if it has not started it."""
+        request = self._queued_loads.pop(request_id, None)
+        if request is not None:
+            request.cancelled = True
+            self.stats.loads_cancelled += len(request.hashes)
 
     def take_results(self) -> list[tuple[int, LoadOutcome]]:
         """Finished reads, without waiting."""
@@ -244,10 +255,12 @@ class StorageTier:
                 return
             try:
                 if request.load:
-                    outcome = self._read(request.hashes)
-                    self._results.put((request.id, outcome))
+                    self._queued_loads.pop(request.id, None)
+                    if not request.cancelled:  # a freed or timed-out admission's read is not worth doing
+                        self._results.put((request.id, self._read(request.hashes)))
                 else:
-                    self._queued_probes -= 1
+                    with self._lock:
+                        self._queued_probes -= 1
                     self._probe(request.hashes)
             except Exception:  # a backend bug must not kill the reader: the read becomes a miss
                 _log.exception("storage read failed")

@@ -13,6 +13,15 @@ True
 
 from kvblocks.accounting import CachedTokens, CacheStats, HitCounters
 from kvblocks.config import CacheConfig
+from kvblocks.disagg import (
+    DecodeAdmission,
+    DecodeManager,
+    DisaggConfig,
+    PrefillHandoff,
+    PrefillManager,
+    RequestUsage,
+    manager_for_role,
+)
 from kvblocks.errors import (
     AccountingError,
     AttachTimeoutError,
@@ -21,6 +30,7 @@ from kvblocks.errors import (
     ConfigError,
     DoubleFreeError,
     DuplicateSequenceError,
+    HandoffError,
     IntegrityError,
     InvalidArgumentError,
     InvalidBlockHashError,
@@ -53,6 +63,14 @@ __all__ = [
     "KVCacheManager",
     "CacheConfig",
     "BlockTable",
+    # disaggregation
+    "DisaggConfig",
+    "PrefillManager",
+    "DecodeManager",
+    "PrefillHandoff",
+    "DecodeAdmission",
+    "RequestUsage",
+    "manager_for_role",
     # accounting
     "CachedTokens",
     "CacheStats",
@@ -93,4 +111,5 @@ __all__ = [
     "IntegrityError",
     "BackendUnavailableError",
     "AttachTimeoutError",
+    "HandoffError",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "IntegrityError",
     "InvalidArgumentError",
     "InvalidBlockHashError",
+    "HandoffError",
     "InvalidBlockIdError",
     "InvalidTokenError",
     "KVBlocksError",
@@ -92,6 +93,11 @@ class IntegrityError(KVBlocksError, RuntimeError):
 
 class BackendUnavailableError(KVBlocksError, RuntimeError):
     """A tensor backend was asked for but cannot run here; the message names what is missing."""
+
+
+class HandoffError(KVBlocksError, ValueError):
+    """A prefill-to-decode handoff is malformed, of another format version, scheme or namespace, or
+    does not match the prompt it is accepted for."""
 
 
 class AttachTimeoutError(KVBlocksError, TimeoutError):

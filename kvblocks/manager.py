@@ -28,7 +28,7 @@ from __future__ import annotations
 import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
-from typing import overload
+from typing import ClassVar, overload
 
 from kvblocks.accounting import CachedTokens, CacheStats, HitCounters
 from kvblocks.config import CacheConfig
@@ -148,6 +148,9 @@ class KVCacheManager:
     >>> m.lookup("b").device                      # b shares a's two full blocks
     8
     """
+
+    role: ClassVar[str] = "mixed"
+    """The node's role in prefill/decode disaggregation (see :mod:`kvblocks.disagg`)."""
 
     def __init__(
         self,

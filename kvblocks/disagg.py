@@ -1,0 +1,570 @@
+"""Prefill/decode disaggregation: roles, the handoff, the decode reserve, and cached-token accounting.
+
+A request is prefilled on one node and decoded on another. Its KV moves once, from the
+prefill node's blocks to the decode node's, described by a :class:`PrefillHandoff`::
+
+    prefill node                                  decode node
+    allocate / commit (same path as mixed)
+    finish_prefill(r) -> handoff  ──bytes──>      accept_handoff(handoff, tokens) -> DecodeAdmission
+      blocks stay held                              (source block -> decode block) transfers
+    ...the engine moves the KV...                 ...the engine moves the KV...
+    transfer_done(r): blocks freed into the cache  receive_done(r): the prompt is committed; decode runs
+
+Three bugs of other engines are ruled out here:
+
+* A prefill node that never registered its blocks (near-zero hit rate in PD mode): the prefill
+  role commits on exactly the mixed path, so a prefill node reaches a mixed node's hit rate.
+* A decode node that double-counted cached tokens (128 cached for an 87-token prompt): the
+  decode node seeds the request's cached tokens with the prefill report and adds only what its
+  own cache found *beyond* it, never a negative delta, never past the prompt.
+* A decode node that accepted handoffs until its running sequences could not grow: it keeps a
+  reserve of blocks per running sequence and refuses (changing nothing) a handoff that would eat it.
+
+Worked accounting example, block size 16, a 100-token prompt::
+
+    prefill node found 32 tokens cached           handoff.cached = CachedTokens(device=32)
+    decode node (prefix cache on) matches 64      delta = max(0, 64 - 32) = 32
+    usage: cached_tokens = 64 of 100              prefill node counted 32, decode node 32: summed once
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import xxhash
+
+from kvblocks.accounting import CachedTokens
+from kvblocks.config import CacheConfig
+from kvblocks.errors import (
+    ConfigError,
+    DuplicateSequenceError,
+    HandoffError,
+    IntegrityError,
+    InvalidArgumentError,
+    SequenceStateError,
+)
+from kvblocks.events import EventSink
+from kvblocks.hashing import DEFAULT_SCHEME, BlockExtras, BlockHash, HashedTokens, Namespace
+from kvblocks.manager import BlockTable, KVCacheManager, _Sequence
+
+__all__ = [
+    "HANDOFF_VERSION",
+    "ROLES",
+    "DecodeAdmission",
+    "DecodeManager",
+    "DisaggConfig",
+    "PrefillHandoff",
+    "PrefillManager",
+    "RequestUsage",
+    "manager_for_role",
+]
+
+ROLES = ("mixed", "prefill", "decode")
+HANDOFF_VERSION = 1
+
+
+def key_space_tag(namespace: Namespace | str, scheme: str, block_size: int) -> str:
+    """16 hex digits naming the hash key space (scheme, namespace, block size) without revealing a salt."""
+    return f"{xxhash.xxh3_64_intdigest(Namespace.of(namespace).root_material(scheme, block_size)):016x}"
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """A node's role, validated once.
+
+    >>> DisaggConfig(role="decode", reserve_blocks_per_sequence=2).role
+    'decode'
+    >>> DisaggConfig(role="both")
+    Traceback (most recent call last):
+    ...
+    kvblocks.errors.ConfigError: role must be one of mixed, prefill, decode; got 'both'
+    """
+
+    role: str = "mixed"
+    reserve_blocks_per_sequence: int = 1
+    """Decode: blocks kept free for each running sequence's growth; a handoff may not use them."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
+        reserve = self.reserve_blocks_per_sequence
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+            raise ConfigError(f"reserve_blocks_per_sequence must be an int >= 0, got {reserve!r}")
+
+
+# ---------------------------------------------------------------------------------------------- handoff
+
+
+def _hash_to_json(block_hash: BlockHash) -> str:
+    if isinstance(block_hash, bytes):
+        return "b" + block_hash.hex()
+    return f"i{block_hash:x}"
+
+
+def _hash_from_json(text: object) -> BlockHash:
+    if not isinstance(text, str) or len(text) < 2 or text[0] not in "bi":
+        raise HandoffError(f"malformed block hash {text!r} in handoff")
+    try:
+        return bytes.fromhex(text[1:]) if text[0] == "b" else int(text[1:], 16)
+    except ValueError:
+        raise HandoffError(f"malformed block hash {text!r} in handoff") from None
+
+
+@dataclass(frozen=True)
+class PrefillHandoff:
+    """What a decode node needs to take over a prefilled request (serialisable with :meth:`to_bytes`).
+
+    ``source_blocks`` cover the whole prompt, the partial last block included;
+    ``block_hashes`` name its full blocks; ``cached`` is what the prefill node found cached.
+    """
+
+    seq_id: str | int
+    num_prompt_tokens: int
+    block_hashes: tuple[BlockHash, ...]
+    source_blocks: tuple[int, ...]
+    cached: CachedTokens
+    scheme: str
+    block_size: int
+    key_space: str
+    version: int = HANDOFF_VERSION
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "version": self.version,
+                "seq_id": self.seq_id,
+                "num_prompt_tokens": self.num_prompt_tokens,
+                "block_hashes": [_hash_to_json(h) for h in self.block_hashes],
+                "source_blocks": list(self.source_blocks),
+                "cached": [self.cached.device, self.cached.host, self.cached.storage],
+                "scheme": self.scheme,
+                "block_size": self.block_size,
+                "key_space": self.key_space,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PrefillHandoff:
+        """Parse a handoff; anything malformed or of another format version raises :class:`HandoffError`."""
+        try:
+            raw = json.loads(bytes(data))
+        except (TypeError, ValueError) as e:
+            raise HandoffError(f"handoff is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise HandoffError("handoff must be a JSON object")
+        version = raw.get("version")
+        if version != HANDOFF_VERSION:
+            raise HandoffError(f"handoff format version {version!r}; this kvblocks reads {HANDOFF_VERSION}")
+        try:
+            seq_id = raw["seq_id"]
+            prompt = raw["num_prompt_tokens"]
+            cached = raw["cached"]
+            handoff = cls(
+                seq_id=seq_id,
+                num_prompt_tokens=prompt,
+                block_hashes=tuple(_hash_from_json(h) for h in raw["block_hashes"]),
+                source_blocks=tuple(raw["source_blocks"]),
+                cached=CachedTokens(*cached, num_prompt_tokens=prompt),
+                scheme=raw["scheme"],
+                block_size=raw["block_size"],
+                key_space=raw["key_space"],
+            )
+        except HandoffError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise HandoffError(f"malformed handoff: {e!r}") from None
+        handoff.validate()
+        return handoff
+
+    def validate(self) -> None:
+        """Internal consistency: counts, block ids, hashes against the prompt length."""
+        if not isinstance(self.seq_id, (str, int)) or isinstance(self.seq_id, bool):
+            raise HandoffError(f"handoff seq_id must be a str or int, got {type(self.seq_id).__name__}")
+        for name in ("num_prompt_tokens", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise HandoffError(f"handoff {name} must be a positive int, got {value!r}")
+        size = self.block_size
+        if len(self.block_hashes) != self.num_prompt_tokens // size:
+            raise HandoffError(
+                f"handoff names {len(self.block_hashes)} full blocks for {self.num_prompt_tokens} tokens of {size}"
+            )
+        if len(self.source_blocks) != math.ceil(self.num_prompt_tokens / size):
+            raise HandoffError(
+                f"handoff has {len(self.source_blocks)} source blocks for {self.num_prompt_tokens} tokens"
+            )
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in self.source_blocks):
+            raise HandoffError("handoff source blocks must be ints >= 0")
+        if not isinstance(self.cached, CachedTokens) or self.cached.num_prompt_tokens != self.num_prompt_tokens:
+            raise HandoffError("handoff cached tokens must be a CachedTokens of the same prompt")
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+
+
+class PrefillManager(KVCacheManager):
+    """A :class:`KVCacheManager` in the prefill role: the mixed path, plus handing sequences off.
+
+    >>> m = PrefillManager(num_blocks=8, block_size=4)
+    >>> m.add_sequence("r", list(range(10)))
+    >>> list(m.allocate("r", 10)); m.commit("r", 10)
+    [0, 1, 2]
+    >>> h = m.finish_prefill("r"); (h.source_blocks, h.cached.total)
+    ((0, 1, 2), 0)
+    >>> m.free("r")
+    Traceback (most recent call last):
+    ...
+    kvblocks.errors.SequenceStateError: sequence 'r' is being transferred to decode: call transfer_done
+    >>> m.transfer_done("r"); len(m.tree)                # its two full blocks are cached now
+    2
+    """
+
+    role: ClassVar[str] = "prefill"
+
+    def _setup(self, config: CacheConfig, event_sink: EventSink | None) -> None:
+        super()._setup(config, event_sink)
+        self._key_space = key_space_tag(config.namespace, config.hash_scheme, config.block_size)
+        self._first_cached: dict[Hashable, CachedTokens] = {}
+        self._transferring: dict[Hashable, PrefillHandoff] = {}
+
+    def allocate(self, seq_id: Hashable, num_new_tokens: int) -> BlockTable | None:
+        s = self._get(seq_id)
+        if seq_id in self._transferring:
+            raise SequenceStateError(f"sequence {seq_id!r} was handed off; it cannot grow here")
+        admitting = s.table is None
+        table = super().allocate(seq_id, num_new_tokens)
+        if admitting and table is not None and seq_id not in self._first_cached:
+            # the first admission's hits are the request's; a re-admission would count its own blocks
+            self._first_cached[seq_id] = CachedTokens(device=s.num_committed, num_prompt_tokens=s.content.num_tokens)
+        return table
+
+    def commit(self, seq_id: Hashable, num_computed_tokens: int) -> None:
+        if seq_id in self._transferring:
+            raise SequenceStateError(f"sequence {seq_id!r} was handed off; it cannot commit here")
+        super().commit(seq_id, num_computed_tokens)
+
+    def finish_prefill(self, seq_id: Hashable) -> PrefillHandoff:
+        """The prompt's KV is written: describe it for the decode node. The blocks stay held until
+        :meth:`transfer_done`."""
+        s = self._get(seq_id)
+        if seq_id in self._transferring:
+            raise SequenceStateError(f"sequence {seq_id!r} was already handed off")
+        if not isinstance(seq_id, (str, int)) or isinstance(seq_id, bool):
+            raise InvalidArgumentError(f"a handed-off sequence id must be a str or int, got {type(seq_id).__name__}")
+        content = s.content
+        prompt = content.num_tokens
+        if s.table is None or s.num_committed != prompt:
+            raise SequenceStateError(
+                f"sequence {seq_id!r} has {s.num_committed} of {prompt} tokens committed; commit the whole prompt first"
+            )
+        size = self._block_size
+        handoff = PrefillHandoff(
+            seq_id=seq_id,
+            num_prompt_tokens=prompt,
+            block_hashes=tuple(content.hashes[: prompt // size]),
+            source_blocks=tuple(s.table[: math.ceil(prompt / size)]),
+            cached=self._first_cached.get(seq_id, CachedTokens(num_prompt_tokens=prompt)),
+            scheme=self.config.hash_scheme,
+            block_size=size,
+            key_space=self._key_space,
+        )
+        self._transferring[seq_id] = handoff
+        return handoff
+
+    def is_transferring(self, seq_id: Hashable) -> bool:
+        return seq_id in self._transferring
+
+    @property
+    def num_transferring(self) -> int:
+        return len(self._transferring)
+
+    def transfer_done(self, seq_id: Hashable) -> None:
+        """The decode node has the KV (or gave up on it): free the sequence's blocks into the cache."""
+        if seq_id not in self._transferring:
+            self._get(seq_id)  # unknown -> UnknownSequenceError
+            raise SequenceStateError(f"sequence {seq_id!r} is not being transferred")
+        del self._transferring[seq_id]
+        self._first_cached.pop(seq_id, None)
+        super().free(seq_id)
+
+    def free(self, seq_id: Hashable) -> None:
+        if seq_id in self._transferring:
+            raise SequenceStateError(f"sequence {seq_id!r} is being transferred to decode: call transfer_done")
+        self._first_cached.pop(seq_id, None)
+        super().free(seq_id)
+
+    def preempt(self, seq_id: Hashable) -> None:
+        if seq_id in self._transferring:
+            raise SequenceStateError(f"sequence {seq_id!r} is being transferred to decode; it cannot be preempted")
+        super().preempt(seq_id)
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        for seq_id, handoff in self._transferring.items():
+            s = self._seqs.get(seq_id)
+            if s is None or s.table is None or tuple(s.table[: len(handoff.source_blocks)]) != handoff.source_blocks:
+                raise IntegrityError(f"sequence {seq_id!r} lost the blocks it is transferring")
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+
+@dataclass(frozen=True)
+class DecodeAdmission:
+    """An accepted handoff: the sequence's decode-side table and the copies that must fill it."""
+
+    seq_id: Hashable
+    table: BlockTable
+    transfers: tuple[tuple[int, int], ...]
+    """(prefill source block, decode block) pairs: the prompt's blocks beyond the decode-side hit."""
+    cached: CachedTokens
+    """The request's cached tokens: the prefill report plus the decode-side hit beyond it."""
+
+
+@dataclass(frozen=True)
+class RequestUsage:
+    """A finished request's cached-token figure, counted once across the two nodes."""
+
+    prompt_tokens: int
+    cached: CachedTokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached.total
+
+    def openai(self) -> dict[str, Any]:
+        """The OpenAI-style ``usage`` fields for the prompt."""
+        return {"prompt_tokens": self.prompt_tokens, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class DecodeCounters:
+    """Monotonic counters of a decode node (tokens unless named otherwise)."""
+
+    handoffs_accepted: int = 0
+    handoffs_refused: int = 0
+    seeded_hit_tokens: int = 0
+    """Cached tokens the prefill nodes reported: counted there, not again here."""
+    decode_hit_tokens: int = 0
+    """Cached tokens found by this node beyond the prefill reports: counted only here."""
+    transferred_blocks: int = 0
+
+
+class DecodeManager(KVCacheManager):
+    """A :class:`KVCacheManager` in the decode role: accepts handoffs, keeps a growth reserve.
+
+    Its own prefix cache (``enable_prefix_caching``) is optional: when on, a handoff's prompt
+    is matched against it first and only the blocks beyond that prefix are transferred.
+
+    >>> d = DecodeManager(num_blocks=6, block_size=4, reserve_blocks_per_sequence=1)
+    >>> p = PrefillManager(num_blocks=8, block_size=4)
+    >>> p.add_sequence(1, list(range(10))); _ = p.allocate(1, 10); p.commit(1, 10)
+    >>> a = d.accept_handoff(p.finish_prefill(1), list(range(10)))
+    >>> a.transfers                                    # every prompt block moves (cold decode cache)
+    ((0, 0), (1, 1), (2, 2))
+    >>> d.receive_done(1); p.transfer_done(1)
+    >>> d.usage(1).openai()
+    {'prompt_tokens': 10, 'prompt_tokens_details': {'cached_tokens': 0}}
+    """
+
+    role: ClassVar[str] = "decode"
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        reserve_blocks_per_sequence: int = 1,
+        hash_scheme: str = DEFAULT_SCHEME,
+        namespace: str | Namespace = "default",
+        enable_prefix_caching: bool = True,
+        event_sink: EventSink | None = None,
+    ) -> None:
+        super().__init__(
+            num_blocks,
+            block_size,
+            hash_scheme=hash_scheme,
+            namespace=namespace,
+            enable_prefix_caching=enable_prefix_caching,
+            event_sink=event_sink,
+        )
+        self._set_role(DisaggConfig(role="decode", reserve_blocks_per_sequence=reserve_blocks_per_sequence))
+
+    @classmethod
+    def from_config(
+        cls, config: CacheConfig, *, disagg: DisaggConfig | None = None, event_sink: EventSink | None = None
+    ) -> DecodeManager:
+        manager = cls.__new__(cls)
+        manager._setup(config, event_sink)
+        manager._set_role(disagg or DisaggConfig(role="decode"))
+        return manager
+
+    def _set_role(self, disagg: DisaggConfig) -> None:
+        if disagg.role != "decode":
+            raise ConfigError(f"a DecodeManager runs in the decode role, not {disagg.role!r}")
+        self._reserve_per_sequence = disagg.reserve_blocks_per_sequence
+        config = self.config
+        self._key_space = key_space_tag(config.namespace, config.hash_scheme, config.block_size)
+        self._receiving: set[Hashable] = set()
+        self._usage: dict[Hashable, CachedTokens] = {}
+        self.decode_counters = DecodeCounters()
+
+    @property
+    def num_running(self) -> int:
+        """Admitted sequences (receiving ones included): each is owed its growth reserve."""
+        return sum(1 for s in self._seqs.values() if s.table is not None)
+
+    @property
+    def reserve_blocks(self) -> int:
+        """Blocks a new handoff may not take now: the growth reserve of the running sequences."""
+        return self._reserve_per_sequence * self.num_running
+
+    def _check_compatible(self, handoff: PrefillHandoff) -> None:
+        if not isinstance(handoff, PrefillHandoff):
+            raise HandoffError(f"expected a PrefillHandoff, got {type(handoff).__name__}")
+        handoff.validate()
+        if handoff.version != HANDOFF_VERSION:
+            raise HandoffError(f"handoff format version {handoff.version}; this node reads {HANDOFF_VERSION}")
+        config = self.config
+        if handoff.scheme != config.hash_scheme or handoff.block_size != config.block_size:
+            raise HandoffError(
+                f"handoff from a {handoff.scheme} / block size {handoff.block_size} node; "
+                f"this node uses {config.hash_scheme} / block size {config.block_size}"
+            )
+        if handoff.key_space != self._key_space:
+            raise HandoffError("handoff from another namespace (model or salt): its block hashes mean nothing here")
+
+    def accept_handoff(
+        self, handoff: PrefillHandoff, token_ids: Iterable[int], *, extras: BlockExtras | None = None
+    ) -> DecodeAdmission | None:
+        """Register and admit a prefilled sequence; None (and no change) if it would eat the reserve.
+
+        ``token_ids`` is the prompt (the decode engine has it with the request); its hashes must
+        be the handoff's, so a handoff can never be applied to the wrong prompt.
+        """
+        self._check_compatible(handoff)
+        seq_id = handoff.seq_id
+        if seq_id in self._seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} is already registered on this decode node")
+        content = HashedTokens(self._hasher, token_ids, extras)
+        size = self._block_size
+        prompt = content.num_tokens
+        if prompt != handoff.num_prompt_tokens or tuple(content.hashes) != handoff.block_hashes:
+            raise HandoffError(f"handoff {seq_id!r} does not describe these prompt tokens (length or block hashes)")
+        matched = (
+            self._tree.matched_blocks(content.hashes, (prompt - 1) // size) if self._caching else []
+        )  # the prefill node's last-token rule: the same prefix reports the same number on both nodes
+        hits = len(matched)
+        total = math.ceil(prompt / size)
+        need = total - hits
+        pool = self._pool
+        reserve = self._reserve_per_sequence * (self.num_running + 1)
+        if need + reserve > pool.num_free - pool.count_idle(matched):
+            self.decode_counters.handoffs_refused += 1
+            return None
+        s = _Sequence(content)
+        self._seqs[seq_id] = s
+        self._freed.pop(seq_id, None)
+        if hits:
+            pool._acquire_valid(matched)
+        new = self._take(need) if need else []
+        table = matched + new
+        s.table = table
+        s.view = BlockTable(table)
+        s.num_covered = prompt
+        s.num_committed = hits * size
+        self._receiving.add(seq_id)
+        seeded = handoff.cached
+        delta = max(0, min(hits * size - seeded.total, prompt - seeded.total))
+        cached = CachedTokens(seeded.device + delta, seeded.host, seeded.storage, num_prompt_tokens=prompt)
+        self._usage[seq_id] = cached
+        counters = self.decode_counters
+        counters.handoffs_accepted += 1
+        counters.seeded_hit_tokens += seeded.total
+        counters.decode_hit_tokens += delta
+        counters.transferred_blocks += need
+        transfers = tuple(zip(handoff.source_blocks[hits:], new, strict=True))
+        return DecodeAdmission(seq_id, s.view, transfers, cached)
+
+    def is_receiving(self, seq_id: Hashable) -> bool:
+        return seq_id in self._receiving
+
+    def receive_done(self, seq_id: Hashable, *, ok: bool = True) -> None:
+        """The handoff's KV arrived: the prompt counts as computed (and its full blocks become cached here).
+
+        ``ok=False``: the transfer failed; the sequence is dropped and its blocks return to the pool.
+        """
+        if seq_id not in self._receiving:
+            self._get(seq_id)
+            raise SequenceStateError(f"sequence {seq_id!r} is not receiving a handoff")
+        self._receiving.discard(seq_id)
+        if not ok:
+            self._usage.pop(seq_id, None)
+            super().free(seq_id)
+            return
+        super().commit(seq_id, self._seqs[seq_id].content.num_tokens)
+
+    def usage(self, seq_id: Hashable) -> RequestUsage:
+        """The request's cached-token figure (prefill report + decode-side hit beyond it)."""
+        self._get(seq_id)
+        cached = self._usage.get(seq_id)
+        if cached is None:
+            raise SequenceStateError(f"sequence {seq_id!r} did not arrive through a handoff")
+        return RequestUsage(cached.num_prompt_tokens, cached)
+
+    def _refuse_while_receiving(self, seq_id: Hashable, what: str) -> None:
+        if seq_id in self._receiving:
+            raise SequenceStateError(f"sequence {seq_id!r} is receiving its prompt's KV; it cannot {what} yet")
+
+    def allocate(self, seq_id: Hashable, num_new_tokens: int) -> BlockTable | None:
+        self._refuse_while_receiving(seq_id, "grow")
+        return super().allocate(seq_id, num_new_tokens)
+
+    def commit(self, seq_id: Hashable, num_computed_tokens: int) -> None:
+        self._refuse_while_receiving(seq_id, "commit")
+        super().commit(seq_id, num_computed_tokens)
+
+    def preempt(self, seq_id: Hashable) -> None:
+        self._refuse_while_receiving(seq_id, "be preempted")
+        super().preempt(seq_id)
+
+    def free(self, seq_id: Hashable) -> None:
+        self._refuse_while_receiving(seq_id, "be freed (use receive_done(ok=False))")
+        self._usage.pop(seq_id, None)
+        super().free(seq_id)
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        for seq_id in self._receiving:
+            s = self._seqs.get(seq_id)
+            if s is None or s.table is None:
+                raise IntegrityError(f"receiving sequence {seq_id!r} has no table")
+        for seq_id, cached in self._usage.items():
+            if seq_id not in self._seqs or cached.total > cached.num_prompt_tokens:
+                raise IntegrityError(f"usage of {seq_id!r} is inconsistent")
+
+
+# ---------------------------------------------------------------------------------------------- roles
+
+
+def manager_for_role(
+    config: CacheConfig, disagg: DisaggConfig | None = None, *, event_sink: EventSink | None = None
+) -> KVCacheManager:
+    """The manager for a node's role: ``KVCacheManager`` (mixed), ``PrefillManager`` or ``DecodeManager``.
+
+    >>> type(manager_for_role(CacheConfig(64, 16), DisaggConfig(role="prefill"))).__name__
+    'PrefillManager'
+    """
+    disagg = disagg or DisaggConfig()
+    if not isinstance(disagg, DisaggConfig):
+        raise ConfigError(f"disagg must be a DisaggConfig, got {type(disagg).__name__}")
+    if disagg.role == "decode":
+        return DecodeManager.from_config(config, disagg=disagg, event_sink=event_sink)
+    if disagg.role == "prefill":
+        return PrefillManager.from_config(config, event_sink=event_sink)
+    return KVCacheManager.from_config(config, event_sink=event_sink)

@@ -42,6 +42,7 @@ RATIOS = [
     Ratio("lifecycle-hashes", "kvblocks", "floor", 0.5, "speed relative to the dict+deque floor (0.5 = 2x slower)"),
     Ratio("lifecycle-tiers", "host tier", "device only", None, "host tier doing its write-backs and swap-ins"),
     Ratio("tier-layer", "tiered, no tiers", "device only", 0.8, "cost of the tier layer when nothing is below"),
+    Ratio("handoff-2k", "accept handoff", "mixed admission", 0.5, "from bytes + accept + receive vs admit + commit"),
     Ratio("lookup-2k", "kvblocks", "floor", None, "one lookup, 128 cached blocks"),
     Ratio("admit-free-2k", "kvblocks", "floor", None, "admission with 128 hits + free"),
     Ratio("decode-step", "kvblocks", "floor", None, "append + allocate + commit of one token"),

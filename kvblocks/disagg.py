@@ -99,19 +99,35 @@ class DisaggConfig:
 # ---------------------------------------------------------------------------------------------- handoff
 
 
-def _hash_to_json(block_hash: BlockHash) -> str:
-    if isinstance(block_hash, bytes):
-        return "b" + block_hash.hex()
-    return f"i{block_hash:x}"
+def _hashes_to_json(hashes: tuple[BlockHash, ...]) -> dict[str, Any]:
+    """One hex string for byte hashes (all of one width within a scheme), a list for int hashes."""
+    if hashes and isinstance(hashes[0], bytes):
+        width = len(hashes[0])
+        if any(not isinstance(h, bytes) or len(h) != width for h in hashes):
+            raise HandoffError("a handoff's block hashes must all be bytes of one width, or all ints")
+        return {"kind": "bytes", "width": width, "hex": b"".join(hashes).hex()}  # type: ignore[arg-type]
+    return {"kind": "int", "values": list(hashes)}
 
 
-def _hash_from_json(text: object) -> BlockHash:
-    if not isinstance(text, str) or len(text) < 2 or text[0] not in "bi":
-        raise HandoffError(f"malformed block hash {text!r} in handoff")
+def _hashes_from_json(raw: object) -> tuple[BlockHash, ...]:
+    if not isinstance(raw, dict):
+        raise HandoffError("malformed block hashes in handoff")
+    kind = raw.get("kind")
+    if kind == "int":
+        values = raw.get("values")
+        if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
+            raise HandoffError("malformed int block hashes in handoff")
+        return tuple(values)
+    width = raw.get("width")
+    if kind != "bytes" or type(width) is not int or width <= 0 or not isinstance(raw.get("hex"), str):
+        raise HandoffError("malformed block hashes in handoff")
     try:
-        return bytes.fromhex(text[1:]) if text[0] == "b" else int(text[1:], 16)
+        packed = bytes.fromhex(raw["hex"])
     except ValueError:
-        raise HandoffError(f"malformed block hash {text!r} in handoff") from None
+        raise HandoffError("malformed block hashes in handoff: not hex") from None
+    if len(packed) % width:
+        raise HandoffError("malformed block hashes in handoff: length is not a multiple of the width")
+    return tuple(packed[k : k + width] for k in range(0, len(packed), width))
 
 
 @dataclass(frozen=True)
@@ -138,7 +154,7 @@ class PrefillHandoff:
                 "version": self.version,
                 "seq_id": self.seq_id,
                 "num_prompt_tokens": self.num_prompt_tokens,
-                "block_hashes": [_hash_to_json(h) for h in self.block_hashes],
+                "block_hashes": _hashes_to_json(self.block_hashes),
                 "source_blocks": list(self.source_blocks),
                 "cached": [self.cached.device, self.cached.host, self.cached.storage],
                 "scheme": self.scheme,
@@ -167,7 +183,7 @@ class PrefillHandoff:
             handoff = cls(
                 seq_id=seq_id,
                 num_prompt_tokens=prompt,
-                block_hashes=tuple(_hash_from_json(h) for h in raw["block_hashes"]),
+                block_hashes=_hashes_from_json(raw["block_hashes"]),
                 source_blocks=tuple(raw["source_blocks"]),
                 cached=CachedTokens(*cached, num_prompt_tokens=prompt),
                 scheme=raw["scheme"],
@@ -198,7 +214,8 @@ class PrefillHandoff:
             raise HandoffError(
                 f"handoff has {len(self.source_blocks)} source blocks for {self.num_prompt_tokens} tokens"
             )
-        if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in self.source_blocks):
+        source = self.source_blocks
+        if not set(map(type, source)) <= {int} or (source and min(source) < 0):
             raise HandoffError("handoff source blocks must be ints >= 0")
         if not isinstance(self.cached, CachedTokens) or self.cached.num_prompt_tokens != self.num_prompt_tokens:
             raise HandoffError("handoff cached tokens must be a CachedTokens of the same prompt")

@@ -43,6 +43,10 @@ RATIOS = [
     Ratio("lifecycle-tiers", "host tier", "device only", None, "host tier doing its write-backs and swap-ins"),
     Ratio("tier-layer", "tiered, no tiers", "device only", 0.8, "cost of the tier layer when nothing is below"),
     Ratio("handoff-2k", "accept handoff", "mixed admission", 0.5, "from bytes + accept + receive vs admit + commit"),
+    *(
+        Ratio(f"route-2k-{n}", "route", "hash only", 0.5, "route (hash + score) vs hashing alone (0.5 = 2x)")
+        for n in (8, 64)
+    ),
     Ratio("lookup-2k", "kvblocks", "floor", None, "one lookup, 128 cached blocks"),
     Ratio("admit-free-2k", "kvblocks", "floor", None, "admission with 128 hits + free"),
     Ratio("decode-step", "kvblocks", "floor", None, "append + allocate + commit of one token"),

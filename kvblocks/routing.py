@@ -1,0 +1,599 @@
+"""Cache-aware routing: pick the worker whose cache holds most of the prompt, weighed against its load.
+
+Per worker the router keeps an index of cached block hashes -- fed by that worker's KV
+events (precise mode) or by the prompts it routed there, expiring after a TTL
+(approximate mode) -- and a load: running sequences and in-flight prefill tokens.
+``route`` always scores the prompt's blocks (a router that ignored the prompt is one of
+the bugs this module exists to rule out) and returns a :class:`Lease` that releases every
+counter it took exactly once.
+
+The cost of sending a prompt of ``P`` full blocks to worker ``w``, in blocks::
+
+    cost(w) = prefill_weight * (max(0, P - credit * overlap(w)) + inflight_prefill_tokens(w) / block_size)
+              + decode_weight * running(w)
+
+``overlap(w)`` is the leading run of prompt blocks ``w`` holds, each weighted by the best tier
+holding it (device 1.0, host 0.5, storage 0.25 by default). The lowest cost wins; ties go to
+the less loaded worker, then to the earlier-added one. With ``temperature > 0`` the choice is
+sampled from ``softmax(-cost / temperature)`` with the router's own seeded generator.
+
+The overlap of every worker comes from one walk over the prompt's hashes: an inverted index
+maps a hash to a bitmask of the workers holding it, and a worker's run ends where its bit
+first drops out::
+
+    prompt blocks   h0     h1     h2     h3
+    workers mask    0b111  0b101  0b101  0b001      -> overlap: w0 4, w1 1, w2 3
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import random
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from kvblocks.errors import ConfigError, InvalidArgumentError, KVBlocksError
+from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvblocks.hashing import DEFAULT_SCHEME, BlockExtras, BlockHash, BlockHasher, HashedTokens, Namespace
+
+__all__ = ["Lease", "NoWorkerError", "Router", "RouterConfig", "WorkerLoad"]
+
+_log = logging.getLogger("kvblocks.routing")
+TIERS = ("device", "host", "storage")
+
+
+class NoWorkerError(KVBlocksError, RuntimeError):
+    """No healthy worker can take a request (none added, or all draining)."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How a :class:`Router` scores workers, validated once.
+
+    >>> RouterConfig(block_size=16, mode="approximate").approx_ttl_s
+    120.0
+    >>> RouterConfig(block_size=16, temperature=-1)
+    Traceback (most recent call last):
+    ...
+    kvblocks.errors.ConfigError: temperature must be a number >= 0, got -1
+    """
+
+    block_size: int
+    hash_scheme: str = DEFAULT_SCHEME
+    namespace: Namespace | str = "default"
+    mode: str = "precise"
+    """precise: indexes follow workers' KV events; approximate: the router's own routing decisions, with a TTL."""
+    approx_ttl_s: float = 120.0
+    prefill_weight: float = 1.0
+    decode_weight: float = 1.0
+    overlap_credit: float = 1.0
+    tier_weights: tuple[tuple[str, float], ...] = (("device", 1.0), ("host", 0.5), ("storage", 0.25))
+    temperature: float = 0.0
+    seed: int | None = 0
+    silent_after_s: float = 30.0
+    """Precise mode: a worker routed to with no event for this long is reported silent."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ConfigError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.mode not in ("precise", "approximate"):
+            raise ConfigError(f"mode must be 'precise' or 'approximate', got {self.mode!r}")
+        for name in ("approx_ttl_s", "silent_after_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+        for name in ("prefill_weight", "decode_weight", "overlap_credit", "temperature"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
+                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+        weights = dict(self.tier_weights)
+        if set(weights) - set(TIERS) or any(not (isinstance(w, (int, float)) and w >= 0) for w in weights.values()):
+            raise ConfigError(f"tier_weights must map tiers among {TIERS} to numbers >= 0, got {self.tier_weights!r}")
+        object.__setattr__(self, "namespace", Namespace.of(self.namespace))
+
+
+@dataclass
+class WorkerLoad:
+    """A worker's counters (a copy: reading it never changes the router)."""
+
+    worker: Hashable
+    running: int
+    inflight_prefill_tokens: int
+    cached_blocks: int
+    draining: bool
+    silent: bool
+
+
+@dataclass
+class _Worker:
+    id: Hashable
+    bit: int
+    order: int
+    running: int = 0
+    inflight: int = 0
+    draining: bool = False
+    removed: bool = False
+    held: dict[str, set[BlockHash]] = field(default_factory=lambda: {t: set() for t in TIERS})
+    last_event: float | None = None
+    routed_since_event: float | None = None  # when the first route after the last event was sent
+    silent: bool = False
+    version: int = 0  # bumped on every load change: older heap entries are stale
+
+
+class Lease:
+    """The counters one routed request holds on its worker; released exactly once.
+
+    Use it as a context manager (also ``async with``): leaving the block -- normally, by an
+    exception, or by cancellation -- releases it. :meth:`prefill_done` gives the prefill
+    tokens back early (the prefill finished; the sequence keeps running). A lease that is
+    garbage collected unreleased is released then, with a warning.
+    """
+
+    __slots__ = ("_prefill_open", "_router", "_worker", "closed", "overlap_blocks", "prefill_tokens", "worker")
+
+    def __init__(self, router: Router, worker: _Worker, prefill_tokens: int, overlap_blocks: float) -> None:
+        self._router = router
+        self._worker = worker
+        self.worker = worker.id
+        self.prefill_tokens = prefill_tokens
+        self.overlap_blocks = overlap_blocks
+        self._prefill_open = True
+        self.closed = False
+
+    def prefill_done(self) -> None:
+        """The prefill finished: its tokens leave the worker's in-flight count (once)."""
+        if self._prefill_open:
+            self._prefill_open = False
+            self._router._change_load(self._worker, 0, -self.prefill_tokens)
+
+    def release(self) -> None:
+        """The request ended (finished, failed or cancelled). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        pending = self.prefill_tokens if self._prefill_open else 0
+        self._prefill_open = False
+        self._router._change_load(self._worker, -1, -pending)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            warnings.warn(
+                f"a routing lease on worker {self.worker!r} was garbage collected unreleased; releasing it now",
+                ResourceWarning,
+                stacklevel=2,
+            )
+            self._router.leaked_leases += 1
+            self.release()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("decoding" if not self._prefill_open else "prefilling")
+        return f"Lease(worker={self.worker!r}, prefill_tokens={self.prefill_tokens}, {state})"
+
+
+class Router:
+    """Routes prompts to workers by cache overlap and load (see the module docstring)."""
+
+    def __init__(
+        self,
+        workers: Iterable[Hashable] = (),
+        config: RouterConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if config is None:
+            raise ConfigError("a Router needs a RouterConfig (at least the block size)")
+        if not isinstance(config, RouterConfig):
+            raise ConfigError(f"config must be a RouterConfig, got {type(config).__name__}")
+        self.config = config
+        self._clock = clock
+        self._hasher = BlockHasher(config.block_size, config.hash_scheme, config.namespace)
+        self._weights = {t: float(w) for t, w in config.tier_weights}
+        self._workers: dict[Hashable, _Worker] = {}
+        self._by_bit: dict[int, _Worker] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 0
+        self._order = 0
+        self._healthy = 0  # bitmask of workers that may take requests
+        self._masks: dict[str, dict[BlockHash, int]] = {t: {} for t in TIERS}
+        self._any: dict[BlockHash, int] = {}  # OR of the tier masks
+        self._expiry: dict[tuple[int, BlockHash], float] = {}
+        self._expiry_queue: deque[tuple[float, int, BlockHash]] = deque()
+        self._rng = random.Random(config.seed)
+        self._heap: list[tuple[float, int, int, int, _Worker]] = []
+        self.routed = 0
+        self.leaked_leases = 0
+        self.silent_reports = 0
+        for worker in workers:
+            self.add_worker(worker)
+
+    # ------------------------------------------------------------------ workers
+
+    def add_worker(self, worker: Hashable) -> None:
+        try:
+            known = worker in self._workers
+        except TypeError:
+            raise InvalidArgumentError(f"worker id must be hashable, got {type(worker).__name__}") from None
+        if known:
+            raise InvalidArgumentError(f"worker {worker!r} is already added")
+        bit = self._free_bits.pop() if self._free_bits else self._next_bit
+        if bit == self._next_bit:
+            self._next_bit += 1
+        w = _Worker(worker, bit, self._order)
+        self._order += 1
+        self._workers[worker] = w
+        self._by_bit[bit] = w
+        self._healthy |= 1 << bit
+        self._push(w)
+
+    def drain_worker(self, worker: Hashable) -> None:
+        """No new requests go to ``worker``; its leases run to completion."""
+        w = self._worker(worker)
+        w.draining = True
+        self._healthy &= ~(1 << w.bit)
+
+    def undrain_worker(self, worker: Hashable) -> None:
+        w = self._worker(worker)
+        w.draining = False
+        self._healthy |= 1 << w.bit
+        self._push(w)
+
+    def remove_worker(self, worker: Hashable) -> None:
+        """Forget ``worker`` and its index. Its open leases can still be released (into its old counters)."""
+        w = self._worker(worker)
+        self._clear(w, TIERS)
+        del self._workers[worker]
+        del self._by_bit[w.bit]
+        self._healthy &= ~(1 << w.bit)
+        self._free_bits.append(w.bit)
+        w.removed = True
+
+    @property
+    def workers(self) -> list[Hashable]:
+        return list(self._workers)
+
+    def load(self, worker: Hashable) -> WorkerLoad:
+        w = self._worker(worker)
+        return WorkerLoad(
+            w.id, w.running, w.inflight, sum(len(s) for s in w.held.values()), w.draining, self._is_silent(w)
+        )
+
+    def _worker(self, worker: Hashable) -> _Worker:
+        try:
+            return self._workers[worker]
+        except (KeyError, TypeError):
+            raise InvalidArgumentError(f"unknown worker {worker!r}") from None
+
+    def _change_load(self, w: _Worker, running: int, inflight: int) -> None:
+        # leases release exactly once, so these never go negative (check_integrity verifies it)
+        w.running += running
+        w.inflight += inflight
+        if not w.removed:
+            self._push(w)
+
+    # ------------------------------------------------------------------ index
+
+    def apply_events(self, worker: Hashable, events: Iterable[KVEvent]) -> None:
+        """Precise mode: update ``worker``'s index from its KV events (``EventConsumer``'s ``on_events``)."""
+        w = self._worker(worker)
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._add(w, event.tier, event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self._remove(w, event.tier, event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self._clear(w, (event.tier,))
+            else:
+                raise InvalidArgumentError(f"not a KV event: {type(event).__name__}")
+        w.last_event = self._clock()
+        w.routed_since_event = None
+        w.silent = False
+
+    def replace_index(self, worker: Hashable, events: Iterable[KVEvent]) -> None:
+        """A snapshot of ``worker``'s cache replaces what the router knew (``EventConsumer``'s ``on_snapshot``)."""
+        self._clear(self._worker(worker), TIERS)
+        self.apply_events(worker, events)
+
+    def _add(self, w: _Worker, tier: str, hashes: Iterable[BlockHash]) -> None:
+        if tier not in self._masks:
+            return  # a tier the router does not score
+        bit = 1 << w.bit
+        masks = self._masks[tier]
+        anys = self._any
+        held = w.held[tier]
+        for h in hashes:
+            masks[h] = masks.get(h, 0) | bit
+            anys[h] = anys.get(h, 0) | bit
+            held.add(h)
+
+    def _remove(self, w: _Worker, tier: str, hashes: Iterable[BlockHash]) -> None:
+        if tier not in self._masks:
+            return
+        bit = 1 << w.bit
+        masks = self._masks[tier]
+        held = w.held[tier]
+        for h in hashes:
+            if h not in held:
+                continue
+            held.discard(h)
+            m = masks[h] & ~bit
+            if m:
+                masks[h] = m
+            else:
+                del masks[h]
+            self._refresh_any(h)
+
+    def _refresh_any(self, h: BlockHash) -> None:
+        m = 0
+        for masks in self._masks.values():
+            m |= masks.get(h, 0)
+        if m:
+            self._any[h] = m
+        else:
+            self._any.pop(h, None)
+
+    def _clear(self, w: _Worker, tiers: Iterable[str]) -> None:
+        for tier in tiers:
+            if tier in w.held:
+                self._remove(w, tier, list(w.held[tier]))
+
+    def _expire(self, now: float) -> None:
+        queue = self._expiry_queue
+        while queue and queue[0][0] <= now:
+            at, bit, h = queue.popleft()
+            if self._expiry.get((bit, h)) == at:
+                del self._expiry[(bit, h)]
+                w = self._by_bit.get(bit)
+                if w is not None:
+                    self._remove(w, "device", (h,))
+
+    # ------------------------------------------------------------------ routing
+
+    def overlaps(self, hashes: Sequence[BlockHash]) -> dict[Hashable, float]:
+        """Weighted leading overlap of ``hashes`` with every healthy worker's index. Pure."""
+        return {self._by_bit[bit].id: v for bit, v in self._overlaps(hashes, self._healthy).items()}
+
+    def _runs(self, hashes: Sequence[BlockHash], alive: int) -> list[tuple[int, int]]:
+        """(leading run, mask of the workers whose run it is), one entry per distinct run length."""
+        groups: list[tuple[int, int]] = []
+        anys = self._any
+        i = 0
+        for h in hashes:
+            m = anys.get(h, 0) & alive
+            if m != alive:
+                groups.append((i, alive & ~m))
+                alive = m
+                if not alive:
+                    return groups
+            i += 1
+        groups.append((i, alive))
+        return groups
+
+    def _weighted(self, hashes: Sequence[BlockHash], bit: int, run: int) -> float:
+        """A run's overlap with each block weighted by the best tier of ``bit``'s worker holding it."""
+        weights = self._weights
+        device = weights.get("device", 0.0)
+        host_masks, storage_masks = self._masks["host"], self._masks["storage"]
+        if not host_masks and not storage_masks:
+            return run * device
+        device_masks = self._masks["device"]
+        host_w, storage_w = weights.get("host", 0.0), weights.get("storage", 0.0)
+        b = 1 << bit
+        total = 0.0
+        for h in hashes[:run]:
+            if device_masks.get(h, 0) & b:
+                total += device
+            elif host_masks.get(h, 0) & b:
+                total += host_w
+            else:
+                total += storage_w
+        return total
+
+    def _overlaps(self, hashes: Sequence[BlockHash], alive: int) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for run, mask in self._runs(hashes, alive):
+            while mask:
+                low = mask & -mask
+                bit = low.bit_length() - 1
+                out[bit] = self._weighted(hashes, bit, run) if run else 0.0
+                mask ^= low
+        return out
+
+    # The least-loaded healthy worker without any overlap is read off a heap of (load cost, load, order)
+    # entries with lazy invalidation, so a route costs O(workers holding part of the prompt + log n),
+    # not O(all workers).
+
+    def _base(self, w: _Worker) -> float:
+        config = self.config
+        return config.prefill_weight * w.inflight / config.block_size + config.decode_weight * w.running
+
+    def _push(self, w: _Worker) -> None:
+        w.version += 1
+        heap = self._heap
+        heapq.heappush(heap, (self._base(w), w.running + w.inflight, w.order, w.version, w))
+        if len(heap) > 4 * len(self._workers) + 64:
+            self._heap = [
+                (self._base(x), x.running + x.inflight, x.order, x.version, x)
+                for x in self._workers.values()
+                if not x.draining
+            ]
+            heapq.heapify(self._heap)
+
+    def _least_loaded(self) -> tuple[float, int, int, int, _Worker] | None:
+        heap = self._heap
+        while heap:
+            top = heap[0]
+            w = top[4]
+            if top[3] == w.version and not w.draining and not w.removed:
+                return top
+            heapq.heappop(heap)
+        return None
+
+    def route(
+        self,
+        token_ids: Iterable[int] | None = None,
+        *,
+        block_hashes: Sequence[BlockHash] | None = None,
+        num_tokens: int | None = None,
+        extras: BlockExtras | None = None,
+    ) -> Lease:
+        """Choose a worker for a prompt (its tokens, or its full blocks' hashes and length); returns its lease."""
+        config = self.config
+        size = config.block_size
+        if block_hashes is not None:
+            if token_ids is not None:
+                raise InvalidArgumentError("give token_ids or block_hashes, not both")
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+                raise InvalidArgumentError("block_hashes need num_tokens, the prompt length")
+            hashes: Sequence[BlockHash] = (
+                block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes)
+            )
+            if len(hashes) > num_tokens // size:
+                raise InvalidArgumentError(f"{len(hashes)} block hashes for a {num_tokens}-token prompt")
+            prompt_tokens = num_tokens
+        elif token_ids is not None:
+            content = HashedTokens(self._hasher, token_ids, extras)
+            hashes = content.hashes
+            prompt_tokens = content.num_tokens
+        else:
+            raise InvalidArgumentError("route needs the prompt: token_ids, or block_hashes and num_tokens")
+        now = self._clock()
+        if config.mode == "approximate":
+            self._expire(now)
+        alive = self._healthy
+        if not alive:
+            raise NoWorkerError("no healthy worker to route to")
+        blocks = len(hashes)
+        pw, credit = config.prefill_weight, config.overlap_credit
+        if config.temperature:
+            overlaps = self._overlaps(hashes, alive)
+            costs = [
+                (pw * max(0.0, blocks - credit * overlaps.get(w.bit, 0.0)) + self._base(w), w)
+                for w in self._workers.values()
+                if (alive >> w.bit) & 1
+            ]
+            best = self._sample(costs)
+            overlap = overlaps.get(best.bit, 0.0)
+        else:
+            best, overlap = self._cheapest(hashes, alive, blocks)
+        # the prefill work this request adds: its tokens beyond the (tier-weighted) overlap
+        new_tokens = prompt_tokens - min(prompt_tokens, int(min(overlap, blocks)) * size)
+        lease = Lease(self, best, new_tokens, overlap)
+        self._change_load(best, 1, new_tokens)
+        self.routed += 1
+        if config.mode == "approximate":
+            self._remember(best, hashes, now + config.approx_ttl_s)
+        elif best.routed_since_event is None:
+            best.routed_since_event = now
+        return lease
+
+    def _cheapest(self, hashes: Sequence[BlockHash], alive: int, blocks: int) -> tuple[_Worker, float]:
+        """The lowest (cost, load, order) among healthy workers, and its overlap."""
+        config = self.config
+        pw, credit, dw = config.prefill_weight, config.overlap_credit, config.decode_weight
+        per_token = pw / config.block_size
+        by_bit = self._by_bit
+        best: _Worker | None = None
+        best_cost = math.inf
+        best_tie = (0, 0)
+        best_overlap = 0.0
+        idle = self._least_loaded()  # as if it held nothing: a worker's true cost is never higher
+        if idle is not None:
+            best, best_cost, best_tie = idle[4], pw * blocks + idle[0], (idle[1], idle[2])
+        device_only = not self._masks["host"] and not self._masks["storage"]
+        device = self._weights.get("device", 0.0)
+        top_weight = max(self._weights.values(), default=0.0)
+        floor = idle[0] if idle is not None else 0.0  # no worker's load cost is below the heap's top
+        for run, mask in reversed(self._runs(hashes, alive)):  # longest runs first: the rest often pruned
+            if not run:
+                continue
+            if pw * max(0.0, blocks - credit * run * top_weight) + floor > best_cost:
+                continue  # even its least-loaded member at its best tier cannot win
+            overlap = run * device
+            part = pw * max(0.0, blocks - credit * overlap)
+            while mask:
+                low = mask & -mask
+                mask ^= low
+                w = by_bit[low.bit_length() - 1]
+                if not device_only:
+                    overlap = self._weighted(hashes, w.bit, run)
+                    part = pw * max(0.0, blocks - credit * overlap)
+                cost = part + per_token * w.inflight + dw * w.running
+                if cost < best_cost or (cost == best_cost and (w.running + w.inflight, w.order) < best_tie):
+                    best, best_cost, best_tie, best_overlap = w, cost, (w.running + w.inflight, w.order), overlap
+        if best is None:
+            raise NoWorkerError("no healthy worker to route to")
+        return best, best_overlap
+
+    def _sample(self, costs: list[tuple[float, _Worker]]) -> _Worker:
+        low = min(c for c, _ in costs)
+        t = self.config.temperature
+        weights = [math.exp(-(c - low) / t) for c, _ in costs]
+        return self._rng.choices([w for _, w in costs], weights)[0]
+
+    def _remember(self, w: _Worker, hashes: Sequence[BlockHash], expires: float) -> None:
+        self._add(w, "device", hashes)
+        for h in hashes:
+            self._expiry[(w.bit, h)] = expires
+            self._expiry_queue.append((expires, w.bit, h))
+
+    # ------------------------------------------------------------------ health
+
+    def _is_silent(self, w: _Worker) -> bool:
+        if self.config.mode != "precise" or w.routed_since_event is None:
+            return False
+        quiet_since = w.routed_since_event if w.last_event is None else max(w.last_event, w.routed_since_event)
+        silent = self._clock() - quiet_since >= self.config.silent_after_s
+        if silent and not w.silent:
+            w.silent = True
+            self.silent_reports += 1
+            _log.warning(
+                "worker %r: requests routed to it but no KV event for %.0f s; its cache index is stale",
+                w.id,
+                self.config.silent_after_s,
+            )
+        return silent
+
+    def silent_workers(self) -> list[Hashable]:
+        """Precise mode: workers routed to that sent no KV event for ``silent_after_s`` (logged once each)."""
+        return [w.id for w in self._workers.values() if self._is_silent(w)]
+
+    def check_integrity(self) -> None:
+        """The inverted index equals the workers' own sets; counters are never negative."""
+        from kvblocks.errors import IntegrityError
+
+        for tier in TIERS:
+            expected: dict[BlockHash, int] = {}
+            for w in self._workers.values():
+                for h in w.held[tier]:
+                    expected[h] = expected.get(h, 0) | (1 << w.bit)
+            if expected != self._masks[tier]:
+                raise IntegrityError(f"router {tier} index does not match the workers' sets")
+        anys: dict[BlockHash, int] = {}
+        for masks in self._masks.values():
+            for h, m in masks.items():
+                anys[h] = anys.get(h, 0) | m
+        if anys != self._any:
+            raise IntegrityError("router combined index is stale")
+        for w in self._workers.values():
+            if w.running < 0 or w.inflight < 0:
+                raise IntegrityError(f"worker {w.id!r} has negative load")

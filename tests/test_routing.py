@@ -1,0 +1,467 @@
+"""Cache-aware routing: scoring by overlap and load, leak-proof leases, worker lifecycle, a cluster simulation."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+from collections import deque
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from kvblocks import ConfigError, EventSink, InvalidArgumentError, KVCacheManager, block_hashes
+from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvblocks.routing import Lease, NoWorkerError, Router, RouterConfig
+
+B = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def router(workers=("w0", "w1", "w2"), clock=None, **config) -> Router:
+    return Router(workers, RouterConfig(block_size=B, **config), clock=clock or Clock())
+
+
+def tokens(n_blocks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * B + 1))  # n full blocks and one more token
+
+
+def hashes(toks: list[int]) -> list:
+    return block_hashes(toks, B)
+
+
+# ---------------------------------------------------------------- scoring
+
+
+def test_the_worker_holding_the_prompt_wins() -> None:
+    r = router()
+    prompt = tokens(6)
+    r.apply_events("w2", [BlockStored(tuple(hashes(prompt)[:5]), None, "device")])
+    assert r.overlaps(hashes(prompt)) == {"w0": 0.0, "w1": 0.0, "w2": 5.0}
+    with r.route(prompt) as lease:
+        assert lease.worker == "w2" and lease.overlap_blocks == 5.0
+        assert lease.prefill_tokens == len(prompt) - 5 * B
+    # another prompt overlaps nowhere: the least loaded, earliest worker
+    assert r.route(tokens(6, start=1000)).worker == "w0"
+
+
+def test_overlap_is_a_leading_run() -> None:
+    r = router()
+    h = hashes(tokens(6))
+    r.apply_events("w0", [BlockStored((h[0], h[1], h[3], h[4]), None, "device")])  # h2 missing
+    r.apply_events("w1", [BlockStored(tuple(h[:3]), None, "device")])
+    assert r.overlaps(h) == {"w0": 2.0, "w1": 3.0, "w2": 0.0}
+
+
+def expected_cost(cfg: RouterConfig, prompt_blocks: int, overlap: float, inflight: int, running: int) -> float:
+    new = max(0.0, prompt_blocks - cfg.overlap_credit * overlap)
+    return cfg.prefill_weight * (new + inflight / cfg.block_size) + cfg.decode_weight * running
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_route_minimises_the_documented_cost(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    cfg = dict(prefill_weight=rng.choice([0.5, 1.0, 2.0]), decode_weight=rng.choice([0.0, 1.0, 3.0]))
+    r = router(workers=("a", "b", "c", "d"), **cfg)
+    prompt = tokens(8, start=seed * 100)
+    h = hashes(prompt)
+    leases = []
+    for w in ("a", "b", "c", "d"):
+        r.apply_events(w, [BlockStored(tuple(h[: rng.randrange(9)]), None, "device")])
+    for _ in range(rng.randrange(6)):  # some load
+        leases.append(r.route(tokens(rng.randrange(1, 6), start=5000 + rng.randrange(10**6))))
+    overlaps = r.overlaps(h)
+    costs = {
+        w: expected_cost(r.config, 8, overlaps[w], r.load(w).inflight_prefill_tokens, r.load(w).running)
+        for w in r.workers
+    }
+    best = min(costs.values())
+    ties = [w for w in r.workers if costs[w] == best]
+    key = {w: (r.load(w).running + r.load(w).inflight_prefill_tokens, i) for i, w in enumerate(r.workers)}
+    assert r.route(prompt).worker == min(ties, key=key.__getitem__)
+
+
+def test_ties_go_to_the_less_loaded_then_the_earlier_worker() -> None:
+    r = router(decode_weight=0.0)
+    first = r.route(tokens(2, start=100))  # w0 now runs one sequence: same cost (no decode weight), more load
+    first.prefill_done()
+    assert first.worker == "w0"
+    assert r.route(tokens(2, start=200)).worker == "w1"
+
+
+def test_device_hits_outweigh_host_and_storage_hits() -> None:
+    r = router()
+    h = hashes(tokens(4))
+    r.apply_events("w0", [BlockStored(tuple(h), None, "storage")])
+    r.apply_events("w1", [BlockStored(tuple(h), None, "host")])
+    r.apply_events("w2", [BlockStored(tuple(h[:2]), None, "device"), BlockStored(tuple(h[2:]), None, "host")])
+    assert r.overlaps(h) == {"w0": 1.0, "w1": 2.0, "w2": 3.0}
+    assert r.route(tokens(4)).worker == "w2"
+
+
+def test_events_remove_and_clear() -> None:
+    r = router()
+    h = hashes(tokens(4))
+    r.apply_events("w1", [BlockStored(tuple(h), None, "device")])
+    r.apply_events("w1", [BlockRemoved((h[3],), "device")])
+    assert r.overlaps(h)["w1"] == 3.0
+    r.apply_events("w1", [AllBlocksCleared("device")])
+    assert r.overlaps(h)["w1"] == 0.0 and r.load("w1").cached_blocks == 0
+    r.check_integrity()
+
+
+def test_routing_by_hashes_matches_routing_by_tokens() -> None:
+    r = router()
+    prompt = tokens(5)
+    r.apply_events("w1", [BlockStored(tuple(hashes(prompt)), None, "device")])
+    by_hashes = r.route(block_hashes=hashes(prompt), num_tokens=len(prompt))
+    assert by_hashes.worker == "w1" and by_hashes.prefill_tokens == 1
+    with pytest.raises(InvalidArgumentError):
+        r.route(block_hashes=hashes(prompt))  # no length
+    with pytest.raises(InvalidArgumentError):
+        r.route(block_hashes=hashes(prompt), num_tokens=4)  # more blocks than tokens
+    with pytest.raises(InvalidArgumentError):
+        r.route()
+
+
+def test_a_warm_temperature_samples_but_prefers_the_cheap_worker() -> None:
+    r = router(temperature=0.5, seed=7)
+    prompt = tokens(8)
+    r.apply_events("w1", [BlockStored(tuple(hashes(prompt)), None, "device")])
+    picks = []
+    for _ in range(200):
+        with r.route(prompt) as lease:
+            picks.append(lease.worker)
+    assert picks.count("w1") > 150 and len(set(picks)) >= 1
+    again = router(temperature=0.5, seed=7)
+    again.apply_events("w1", [BlockStored(tuple(hashes(prompt)), None, "device")])
+    replay = []
+    for _ in range(200):
+        with again.route(prompt) as lease:
+            replay.append(lease.worker)
+    assert replay == picks  # the router's own seeded generator: reproducible
+
+
+# ---------------------------------------------------------------- leases
+
+
+def test_a_lease_releases_every_counter_exactly_once() -> None:
+    r = router()
+    lease = r.route(tokens(3))
+    load = r.load(lease.worker)
+    assert (load.running, load.inflight_prefill_tokens) == (1, 13)
+    lease.prefill_done()
+    lease.prefill_done()
+    assert (r.load(lease.worker).running, r.load(lease.worker).inflight_prefill_tokens) == (1, 0)
+    lease.release()
+    lease.release()
+    assert (r.load(lease.worker).running, r.load(lease.worker).inflight_prefill_tokens) == (0, 0)
+    assert lease.closed
+
+
+def test_leaving_the_block_by_an_exception_releases() -> None:
+    r = router()
+    with pytest.raises(RuntimeError), r.route(tokens(3)) as lease:
+        raise RuntimeError("the engine failed")
+    assert lease.closed and r.load(lease.worker).running == 0 and r.load(lease.worker).inflight_prefill_tokens == 0
+
+
+def test_a_cancelled_task_releases_its_lease() -> None:
+    r = router()
+    started = asyncio.Event()
+
+    async def request() -> None:
+        async with r.route(tokens(3)):
+            started.set()
+            await asyncio.sleep(10)
+
+    async def main() -> None:
+        task = asyncio.create_task(request())
+        await started.wait()
+        assert r.load("w0").running == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert r.load("w0").running == 0 and r.load("w0").inflight_prefill_tokens == 0
+
+
+def test_a_forgotten_lease_is_released_with_a_warning() -> None:
+    r = router()
+    with pytest.warns(ResourceWarning, match="garbage collected unreleased"):
+        r.route(tokens(3))  # dropped on the floor
+        gc.collect()
+    assert r.load("w0").running == 0 and r.leaked_leases == 1
+
+
+def test_workers_drain_and_are_removed() -> None:
+    r = router()
+    h = hashes(tokens(4))
+    r.apply_events("w0", [BlockStored(tuple(h), None, "device")])
+    r.drain_worker("w0")
+    assert r.route(tokens(4)).worker != "w0"
+    r.undrain_worker("w0")
+    lease = r.route(tokens(4))
+    assert lease.worker == "w0"
+    r.remove_worker("w0")
+    assert "w0" not in r.workers and "w0" not in r.overlaps(h)
+    lease.release()  # into the removed worker's counters: no error, nothing negative
+    r.check_integrity()
+    r.add_worker("w3")  # reuses the freed slot with an empty index
+    assert r.overlaps(h)["w3"] == 0.0
+    with pytest.raises(InvalidArgumentError):
+        r.add_worker("w3")
+    with pytest.raises(InvalidArgumentError):
+        r.drain_worker("nobody")
+    for w in list(r.workers):
+        r.drain_worker(w)
+    with pytest.raises(NoWorkerError):
+        r.route(tokens(2))
+
+
+def test_approximate_mode_remembers_routes_until_they_expire() -> None:
+    clock = Clock()
+    r = router(clock=clock, mode="approximate", approx_ttl_s=10.0)
+    prompt = tokens(6)
+    first = r.route(prompt)
+    first.release()
+    clock.now = 5.0
+    assert r.route(prompt).worker == first.worker  # its blocks are believed cached there
+    clock.now = 16.0
+    r.route(tokens(1, start=999)).release()  # any route expires old entries
+    assert r.overlaps(hashes(prompt)) == {w: 0.0 for w in r.workers}
+    r.check_integrity()
+
+
+def test_a_silent_event_stream_is_reported_not_ignored() -> None:
+    clock = Clock()
+    r = router(clock=clock, silent_after_s=30.0)
+    r.apply_events("w1", [BlockStored((b"x" * 16,), None, "device")])
+    assert r.silent_workers() == []
+    lease = r.route(tokens(2))
+    clock.now = 20.0
+    assert r.silent_workers() == []
+    clock.now = 31.0
+    assert r.silent_workers() == [lease.worker] and r.silent_reports == 1
+    assert r.silent_workers() == [lease.worker] and r.silent_reports == 1  # reported once
+    r.apply_events(lease.worker, [])
+    assert r.silent_workers() == [] and not r.load(lease.worker).silent
+
+
+def test_bad_configuration() -> None:
+    for bad in (
+        {"block_size": 0},
+        {"block_size": 4, "mode": "psychic"},
+        {"block_size": 4, "temperature": -1},
+        {"block_size": 4, "approx_ttl_s": 0},
+        {"block_size": 4, "tier_weights": (("gpu", 1.0),)},
+    ):
+        with pytest.raises(ConfigError):
+            RouterConfig(**bad)
+    with pytest.raises(ConfigError):
+        Router(["w"])
+
+
+# ---------------------------------------------------------------- state machine
+
+
+class LeaseMachine(RuleBasedStateMachine):
+    """Whatever the interleaving of routes, prefill completions, finishes, failures, cancellations and
+    worker removals, every counter returns to exactly zero once every lease is closed."""
+
+    leases = Bundle("leases")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.r = Router(["a", "b", "c"], RouterConfig(block_size=B, decode_weight=0.5))
+        self.workers = {"a": None, "b": None, "c": None}  # every worker ever added, removed ones included
+        self.open: list[Lease] = []
+        self.extra = itertools.count()
+
+    @rule(target=leases, n=st.integers(1, 6), start=st.integers(0, 50))
+    def route(self, n: int, start: int):
+        if not self.r._healthy:
+            self.r.add_worker(f"x{next(self.extra)}")
+        lease = self.r.route(tokens(n, start=start * 10))
+        self.open.append(lease)
+        return lease
+
+    @rule(lease=leases)
+    def prefill_done(self, lease: Lease) -> None:
+        lease.prefill_done()
+
+    @rule(lease=consumes(leases), how=st.sampled_from(["finish", "fail", "cancel", "twice"]))
+    def close(self, lease: Lease, how: str) -> None:
+        if how == "fail":
+            with pytest.raises(ValueError), lease:
+                raise ValueError
+        elif how == "cancel":
+            try:
+                with lease:
+                    raise asyncio.CancelledError
+            except asyncio.CancelledError:
+                pass
+        else:
+            lease.release()
+            if how == "twice":
+                lease.release()
+
+    @rule(data=st.data())
+    def remove_worker(self, data) -> None:
+        if len(self.r.workers) > 1:
+            self.r.remove_worker(data.draw(st.sampled_from(sorted(self.r.workers))))
+
+    @rule()
+    def add_worker(self) -> None:
+        name = f"x{next(self.extra)}"
+        self.r.add_worker(name)
+
+    @rule(w=st.sampled_from(["a", "b", "c"]), blocks=st.integers(0, 6), start=st.integers(0, 50))
+    def event(self, w: str, blocks: int, start: int) -> None:
+        if w in self.r.workers:
+            self.r.apply_events(w, [BlockStored(tuple(hashes(tokens(blocks, start=start * 10))), None, "device")])
+
+    @invariant()
+    def counters_match_open_leases(self) -> None:
+        self.r.check_integrity()
+        live = [lease for lease in self.open if not lease.closed]
+        for w in self.r.workers:
+            mine = [lease for lease in live if lease.worker == w]
+            load = self.r.load(w)
+            assert load.running == len(mine)
+            assert load.inflight_prefill_tokens == sum(lease.prefill_tokens for lease in mine if lease._prefill_open)
+
+    def teardown(self) -> None:
+        for lease in self.open:
+            lease.release()
+        for w in self.r.workers:
+            load = self.r.load(w)
+            assert (load.running, load.inflight_prefill_tokens) == (0, 0)
+        for lease in self.open:  # removed workers too: their counters are the leases' own
+            assert lease._worker.running == 0 and lease._worker.inflight == 0
+
+
+LeaseMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_lease_state_machine = LeaseMachine.TestCase
+
+
+# ---------------------------------------------------------------- cluster simulation
+
+
+def simulate(policy: str, requests, *, workers: int = 8, pool: int, window: int = 32, util: float = 0.7, **config):
+    """Route a request stream over ``workers`` real managers; each worker computes prefill at a fixed rate.
+
+    Returns (hit rate in tokens, max/min of per-worker prefill tokens computed).
+    """
+    size = requests[0][2]
+    rate = sum(n for _, n, _ in requests) / len(requests) / workers / util
+    sinks = [EventSink() for _ in range(workers)]
+    managers = [KVCacheManager(pool, size, event_sink=sinks[i]) for i in range(workers)]
+    r = Router(range(workers), RouterConfig(block_size=size, **config))
+    for i, sink in enumerate(sinks):
+        sink.subscribe(lambda record, i=i: r.apply_events(i, (record.event,)))
+    queues: list[deque] = [deque() for _ in range(workers)]  # [lease or None, tokens left to prefill]
+    running: deque = deque()
+    rr = itertools.cycle(range(workers))
+    computed = [0] * workers
+    hits = total = 0
+    for k, (hs, n, _) in enumerate(requests):
+        for q in queues:  # one arrival interval of prefill work on every worker
+            budget = rate
+            while q and budget > 0:
+                step = min(budget, q[0][1])
+                q[0][1] -= step
+                budget -= step
+                if q[0][1] <= 0:
+                    done = q.popleft()[0]
+                    if done is not None:
+                        done.prefill_done()
+        lease = None
+        if policy == "cache-aware":
+            lease = r.route(block_hashes=hs, num_tokens=n)
+            w = lease.worker
+        elif policy == "round-robin":
+            w = next(rr)
+        else:  # least loaded: fewest prefill tokens queued, then fewest running, then round robin
+            busy = [sum(x[1] for x in queues[i]) for i in range(workers)]
+            runs = [sum(1 for x in running if x[1] == i) for i in range(workers)]
+            w = min(range(workers), key=lambda i: (busy[i], runs[i], (i - k) % workers))
+        m = managers[w]
+        m.add_sequence(k, block_hashes=hs, num_tokens=n)
+        cached = m.lookup(k).device
+        while m.allocate(k, n - cached) is None:
+            old, ow, ol = running.popleft()
+            managers[ow].free(old)
+            if ol is not None:
+                ol.release()
+        m.commit(k, n)
+        hits += cached
+        total += n
+        computed[w] += n - cached
+        queues[w].append([lease, n - cached])
+        running.append((k, w, lease))
+        if len(running) > window:
+            old, ow, ol = running.popleft()
+            managers[ow].free(old)
+            if ol is not None:
+                ol.release()
+    for old, ow, ol in running:
+        managers[ow].free(old)
+        if ol is not None:
+            ol.release()
+    for w in range(workers):
+        assert r.load(w).running == 0  # every lease released
+        managers[w].check_integrity()
+    return hits / total, max(computed) / max(1, min(computed))
+
+
+def single_cache(requests, *, blocks: int, window: int = 32) -> float:
+    m = KVCacheManager(blocks, requests[0][2])
+    running: deque = deque()
+    hits = total = 0
+    for k, (hs, n, _) in enumerate(requests):
+        m.add_sequence(k, block_hashes=hs, num_tokens=n)
+        cached = m.lookup(k).device
+        while m.allocate(k, n - cached) is None:
+            m.free(running.popleft())
+        m.commit(k, n)
+        hits += cached
+        total += n
+        running.append(k)
+        if len(running) > window:
+            m.free(running.popleft())
+    return hits / total
+
+
+@pytest.fixture(scope="module")
+def chat_requests():
+    from benchmarks.workloads import multi_turn_chat
+
+    size = 16
+    workload = multi_turn_chat(block_size=size, conversations=400, seed=3)
+    requests = [(block_hashes(r.prompt, size), len(r.prompt), size) for r in workload.requests]
+    working_set = len({h for hs, _, _ in requests for h in hs})
+    return requests, working_set
+
+
+def test_cache_aware_routing_keeps_the_hit_rate_of_one_big_cache_and_balances_load(chat_requests) -> None:
+    requests, working_set = chat_requests
+    pool = working_set // 4 // 8  # 8 workers holding together a quarter of the working set
+    reference = single_cache(requests, blocks=pool * 8)
+    results = {p: simulate(p, requests, pool=pool) for p in ("cache-aware", "round-robin", "least-loaded")}
+    hit, balance = results["cache-aware"]
+    assert hit >= 0.9 * reference, (hit, reference, results)
+    assert balance <= 1.5, results
+    assert hit > results["round-robin"][0] and hit > results["least-loaded"][0]

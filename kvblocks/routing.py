@@ -527,7 +527,7 @@ class Router:
             if not run:
                 continue
             if pw * max(0.0, blocks - credit * run * top_weight) + floor > best_cost:
-                continue  # even its least-loaded member at its best tier cannot win
+                break  # even its least-loaded member at its best tier cannot win, nor can any shorter run
             overlap = run * device
             part = pw * max(0.0, blocks - credit * overlap)
             while mask:

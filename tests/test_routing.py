@@ -67,20 +67,29 @@ def expected_cost(cfg: RouterConfig, prompt_blocks: int, overlap: float, infligh
     return cfg.prefill_weight * (new + inflight / cfg.block_size) + cfg.decode_weight * running
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", range(40))
 def test_route_minimises_the_documented_cost(seed: int) -> None:
     import random
 
     rng = random.Random(seed)
-    cfg = dict(prefill_weight=rng.choice([0.5, 1.0, 2.0]), decode_weight=rng.choice([0.0, 1.0, 3.0]))
-    r = router(workers=("a", "b", "c", "d"), **cfg)
+    cfg = dict(
+        prefill_weight=rng.choice([0.5, 1.0, 2.0]),
+        decode_weight=rng.choice([0.0, 1.0, 3.0]),
+        overlap_credit=rng.choice([0.5, 1.0, 2.0]),
+    )
+    names = [f"w{i}" for i in range(rng.choice([2, 4, 12]))]
+    r = router(workers=names, **cfg)
     prompt = tokens(8, start=seed * 100)
     h = hashes(prompt)
     leases = []
-    for w in ("a", "b", "c", "d"):
-        r.apply_events(w, [BlockStored(tuple(h[: rng.randrange(9)]), None, "device")])
-    for _ in range(rng.randrange(6)):  # some load
-        leases.append(r.route(tokens(rng.randrange(1, 6), start=5000 + rng.randrange(10**6))))
+    for w in names:
+        tier = rng.choice(["device", "device", "host", "storage"])
+        r.apply_events(w, [BlockStored(tuple(h[: rng.randrange(9)]), None, tier)])
+    for _ in range(rng.randrange(12)):  # some load, some of it still prefilling
+        lease = r.route(tokens(rng.randrange(1, 6), start=5000 + rng.randrange(10**6)))
+        if rng.random() < 0.5:
+            lease.prefill_done()
+        leases.append(lease)
     overlaps = r.overlaps(h)
     costs = {
         w: expected_cost(r.config, 8, overlaps[w], r.load(w).inflight_prefill_tokens, r.load(w).running)

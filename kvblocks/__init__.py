@@ -30,6 +30,7 @@ from kvblocks.errors import (
     ConfigError,
     DoubleFreeError,
     DuplicateSequenceError,
+    EventDecodeError,
     HandoffError,
     IntegrityError,
     InvalidArgumentError,
@@ -40,7 +41,19 @@ from kvblocks.errors import (
     SequenceStateError,
     UnknownSequenceError,
 )
-from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, EventRecord, EventSink, KVEvent
+from kvblocks.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventConsumer,
+    EventPublisher,
+    EventRecord,
+    EventSink,
+    KVEvent,
+    decode_batch,
+    encode_batch,
+)
 from kvblocks.hashing import (
     BlockExtras,
     BlockHash,
@@ -95,6 +108,11 @@ __all__ = [
     "BlockStored",
     "BlockRemoved",
     "AllBlocksCleared",
+    "EventBatch",
+    "EventPublisher",
+    "EventConsumer",
+    "encode_batch",
+    "decode_batch",
     # errors
     "KVBlocksError",
     "ConfigError",
@@ -112,4 +130,5 @@ __all__ = [
     "BackendUnavailableError",
     "AttachTimeoutError",
     "HandoffError",
+    "EventDecodeError",
 ]

@@ -19,6 +19,7 @@ __all__ = [
     "ConfigError",
     "DoubleFreeError",
     "DuplicateSequenceError",
+    "EventDecodeError",
     "IntegrityError",
     "InvalidArgumentError",
     "InvalidBlockHashError",
@@ -102,3 +103,7 @@ class HandoffError(KVBlocksError, ValueError):
 
 class AttachTimeoutError(KVBlocksError, TimeoutError):
     """A runner waited for published KV caches longer than its timeout."""
+
+
+class EventDecodeError(KVBlocksError, ValueError):
+    """Bytes received as a KV event batch are malformed or of another wire format version."""

@@ -6,31 +6,82 @@ block hashes -- the same keys a router or indexer uses. An :class:`EventSink`
 numbers them 0, 1, 2, ... and delivers them in process: to subscribers as they
 happen and to a bounded buffer for polling. A consumer that sees a gap in the
 numbers knows it missed events and must resynchronise.
+
+Across processes and machines, events travel in :class:`EventBatch` es::
+
+    manager -> EventSink -> EventPublisher --bytes--> transport --bytes--> pump -> EventConsumer
+                              (numbers batches 0, 1, 2, ...          (detects gaps, asks for
+                               per producer; encode_batch)            a resync, applies snapshots)
+
+An :class:`EventPublisher` drains a sink and sends its records as batches numbered
+per producer; :meth:`EventPublisher.publish_snapshot` sends the producer's whole
+tree (:meth:`kvblocks.radix.PrefixTree.snapshot_events`) as one batch that replaces
+what consumers knew of it. An :class:`EventConsumer` applies batches in order and
+reports a missing number as a gap; it then ignores that producer's batches until a
+snapshot arrives. Any loss -- a full sink buffer, a dropped message, a transport
+that was down -- therefore shows as a gap, never as a silently wrong view.
+Transports live in :mod:`kvblocks.event_transport`.
+
+Wire format (:func:`encode_batch`): compact JSON, ``{"version": 1, "producer": ...,
+"seq": ..., "ts": ..., "snapshot": ..., "events": [...]}`` with each event a list:
+``["S", tier, hashes, parent]`` (plus ``token_ids`` when known), ``["R", tier,
+hashes]``, ``["C", tier]``. ``hashes`` is ``"W:HEX"`` when all are bytes of width W
+(the usual case: one hex string), else a list of ints and hex strings; ``parent``
+is null, an int or a hex string.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from kvblocks.errors import ConfigError
+from kvblocks.errors import (
+    ConfigError,
+    EventDecodeError,
+    InvalidArgumentError,
+    InvalidBlockHashError,
+    InvalidTokenError,
+)
 from kvblocks.hashing import BlockHash
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventRecord", "EventSink", "KVEvent"]
+if TYPE_CHECKING:
+    from kvblocks.event_transport import EventTransport
+
+__all__ = [
+    "EVENT_FORMAT_VERSION",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "EventConsumer",
+    "EventPublisher",
+    "EventRecord",
+    "EventSink",
+    "KVEvent",
+    "decode_batch",
+    "encode_batch",
+]
 
 _log = logging.getLogger("kvblocks.events")
 
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """Blocks became findable in ``tier``; ``block_hashes`` form a chain hanging off ``parent_hash``."""
+    """Blocks became findable in ``tier``; ``block_hashes`` form a chain hanging off ``parent_hash``.
+
+    ``token_ids``, when a producer knows them, are the tokens of those blocks (in order).
+    """
 
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None
     tier: str
+    token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,3 +172,421 @@ class EventSink:
         out = list(self._buffer)
         self._buffer.clear()
         return out
+
+
+# ---------------------------------------------------------------------- batches and wire format
+
+EVENT_FORMAT_VERSION = 1
+"""The ``version`` field :func:`encode_batch` writes and the only one :func:`decode_batch` reads."""
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """Events of one producer, numbered ``seq`` = 0, 1, 2, ... per producer.
+
+    ``timestamp`` is wall-clock seconds: when the newest event of the batch happened
+    (for a snapshot, when it was taken). A ``snapshot`` batch carries the producer's
+    whole current cache as ``BlockStored`` events, parents before children, and tells
+    consumers to replace what they know of that producer.
+    """
+
+    producer: str
+    seq: int
+    timestamp: float
+    events: tuple[KVEvent, ...]
+    snapshot: bool = False
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _hash_to_json(h: object) -> int | str:
+    if type(h) is int and h >= 0:
+        return h
+    if type(h) is bytes and h:
+        return h.hex()
+    raise InvalidBlockHashError(f"cannot encode block hash {h!r}: not an int >= 0 or non-empty bytes")
+
+
+def _hashes_to_json(hashes: tuple[BlockHash, ...]) -> str | list[int | str]:
+    """``"W:HEX"`` for bytes hashes of one width W (all of a chain are); else a list of ints / hex strings."""
+    if hashes and type(hashes[0]) is bytes:
+        width = len(hashes[0])
+        if width and all(type(h) is bytes and len(h) == width for h in hashes):
+            return f"{width}:{b''.join(hashes).hex()}"  # type: ignore[arg-type]
+    return [_hash_to_json(h) for h in hashes]
+
+
+def _hash_from_json(raw: object) -> BlockHash:
+    if type(raw) is int and raw >= 0:
+        return raw
+    if type(raw) is str and raw:
+        try:
+            h = bytes.fromhex(raw)
+        except ValueError:
+            pass
+        else:
+            if 2 * len(h) == len(raw):  # fromhex skips whitespace: refuse it
+                return h
+    raise EventDecodeError(f"malformed block hash {raw!r} in event batch")
+
+
+def _hashes_from_json(raw: object) -> tuple[BlockHash, ...]:
+    if type(raw) is list:
+        return tuple(_hash_from_json(h) for h in raw)
+    if type(raw) is str:
+        width, _, hexed = raw.partition(":")
+        w = int(width) if width.isascii() and width.isdigit() else 0
+        if w > 0 and hexed.isascii() and len(hexed) % (2 * w) == 0:
+            try:
+                packed = bytes.fromhex(hexed)
+            except ValueError:
+                pass
+            else:
+                if 2 * len(packed) == len(hexed):  # fromhex skips whitespace: refuse it
+                    return tuple(packed[k : k + w] for k in range(0, len(packed), w))
+    raise EventDecodeError(f"malformed block hashes {raw!r} in event batch")
+
+
+def _event_to_json(event: KVEvent) -> list[Any]:
+    if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
+        raise InvalidArgumentError(f"not a KV event: {event!r}")
+    if type(event.tier) is not str:
+        raise InvalidArgumentError(f"an event's tier must be a str, got {event.tier!r}")
+    if isinstance(event, BlockStored):
+        parent = None if event.parent_hash is None else _hash_to_json(event.parent_hash)
+        out: list[Any] = ["S", event.tier, _hashes_to_json(event.block_hashes), parent]
+        if event.token_ids is not None:
+            tokens = list(event.token_ids)
+            if not all(_is_count(t) for t in tokens):
+                raise InvalidTokenError(f"token ids of a BlockStored event must be ints >= 0, got {tokens!r}")
+            out.append(tokens)
+        return out
+    if isinstance(event, BlockRemoved):
+        return ["R", event.tier, _hashes_to_json(event.block_hashes)]
+    return ["C", event.tier]
+
+
+def _event_from_json(raw: object) -> KVEvent:
+    if type(raw) is not list or not raw or type(raw[0]) is not str or len(raw) < 2 or type(raw[1]) is not str:
+        raise EventDecodeError(f"malformed event {raw!r} in event batch")
+    tag, tier = raw[0], raw[1]
+    if tag == "S" and len(raw) in (4, 5):
+        parent = None if raw[3] is None else _hash_from_json(raw[3])
+        tokens: tuple[int, ...] | None = None
+        if len(raw) == 5:
+            if type(raw[4]) is not list or not all(_is_count(t) for t in raw[4]):
+                raise EventDecodeError(f"malformed token ids {raw[4]!r} in event batch")
+            tokens = tuple(raw[4])
+        return BlockStored(_hashes_from_json(raw[2]), parent, tier, tokens)
+    if tag == "R" and len(raw) == 3:
+        return BlockRemoved(_hashes_from_json(raw[2]), tier)
+    if tag == "C" and len(raw) == 2:
+        return AllBlocksCleared(tier)
+    raise EventDecodeError(f"unknown or malformed event {raw!r} in event batch")
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    """The batch as compact JSON bytes (see the module docstring for the format).
+
+    >>> batch = EventBatch("w0", 7, 12.5, (BlockStored((b"\\x01\\x02", b"\\x03\\x04"), None, "device"),))
+    >>> encode_batch(batch)
+    b'{"version":1,"producer":"w0","seq":7,"ts":12.5,"snapshot":false,"events":[["S","device","2:01020304",null]]}'
+    >>> decode_batch(encode_batch(batch)) == batch
+    True
+
+    Raises :class:`kvblocks.errors.InvalidArgumentError` (or the hash / token error)
+    for a batch that has no encoding: a hash that is not an int >= 0 or non-empty
+    bytes, a negative or non-int seq, a non-finite timestamp.
+    """
+    if type(batch.producer) is not str or not _is_count(batch.seq) or type(batch.snapshot) is not bool:
+        raise InvalidArgumentError(
+            f"cannot encode batch: producer must be a str, seq an int >= 0 and snapshot a bool, "
+            f"got {batch.producer!r}, {batch.seq!r}, {batch.snapshot!r}"
+        )
+    ts = batch.timestamp
+    if not isinstance(ts, int | float) or isinstance(ts, bool) or not math.isfinite(ts):
+        raise InvalidArgumentError(f"cannot encode batch: timestamp must be a finite number, got {ts!r}")
+    events = [_event_to_json(e) for e in batch.events]
+    raw = {
+        "version": EVENT_FORMAT_VERSION,
+        "producer": batch.producer,
+        "seq": batch.seq,
+        "ts": float(ts),
+        "snapshot": batch.snapshot,
+        "events": events,
+    }
+    return json.dumps(raw, separators=(",", ":")).encode()
+
+
+def decode_batch(data: bytes) -> EventBatch:
+    """Parse :func:`encode_batch` output; anything malformed or of another version raises
+    :class:`kvblocks.errors.EventDecodeError`."""
+    try:
+        raw = json.loads(data if isinstance(data, bytes | bytearray | str) else bytes(data))
+    except (TypeError, ValueError, RecursionError) as error:
+        raise EventDecodeError(f"event batch is not valid JSON: {error}") from None
+    if type(raw) is not dict:
+        raise EventDecodeError("an event batch must be a JSON object")
+    version = raw.get("version")
+    if type(version) is not int or version != EVENT_FORMAT_VERSION:
+        raise EventDecodeError(f"event batch format version {version!r}; this kvblocks reads {EVENT_FORMAT_VERSION}")
+    producer, seq, ts = raw.get("producer"), raw.get("seq"), raw.get("ts")
+    snapshot, events = raw.get("snapshot"), raw.get("events")
+    if type(producer) is not str or type(snapshot) is not bool or type(events) is not list:
+        raise EventDecodeError("malformed event batch: producer, snapshot or events missing or of a wrong type")
+    if type(seq) is not int or seq < 0:
+        raise EventDecodeError(f"malformed event batch: seq {seq!r}")
+    if not isinstance(ts, int | float) or isinstance(ts, bool) or not math.isfinite(ts):
+        raise EventDecodeError(f"malformed event batch: timestamp {ts!r}")
+    return EventBatch(producer, seq, float(ts), tuple(_event_from_json(e) for e in events), snapshot)
+
+
+# ---------------------------------------------------------------------- publisher
+
+
+class EventPublisher:
+    """Sends a sink's records as numbered batches of one producer through a transport.
+
+    Call :meth:`publish` from the thread that drives the cache (for example once per
+    engine step); it drains ``sink`` -- the publisher must be its only drainer -- and
+    sends the records in batches of at most ``max_batch`` events, numbered 0, 1, 2, ...
+
+    Nothing is hidden from consumers: when the sink buffer overflowed (drained record
+    numbers do not continue the previous drain), the publisher skips one batch number,
+    so consumers see a gap and ask for a resync; a batch a transport failed to deliver
+    leaves a gap the same way. :meth:`publish_snapshot` answers a resync: the
+    producer's whole cache in one batch (not split by ``max_batch``).
+
+    A publisher created for a cache that already holds blocks should start with
+    :meth:`publish_snapshot`: consumers accept a producer's first batch without a
+    snapshot only when it is batch 0.
+    """
+
+    __slots__ = (
+        "_expected_record",
+        "_seq",
+        "_sink",
+        "_snapshot",
+        "batches_sent",
+        "events_sent",
+        "max_batch",
+        "producer",
+        "records_lost",
+        "snapshots_sent",
+        "transport",
+    )
+
+    def __init__(
+        self,
+        producer: str,
+        sink: EventSink,
+        transport: EventTransport,
+        *,
+        max_batch: int = 256,
+        snapshot: Callable[[], Sequence[KVEvent]] | None = None,
+    ) -> None:
+        if type(producer) is not str or not producer:
+            raise ConfigError(f"producer must be a non-empty str, got {producer!r}")
+        if type(max_batch) is not int or max_batch < 1:
+            raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if not isinstance(sink, EventSink):
+            raise ConfigError(f"sink must be an EventSink, got {type(sink).__name__}")
+        self.producer = producer
+        self.transport = transport
+        self.max_batch = max_batch
+        self._sink = sink
+        self._snapshot = snapshot
+        self._seq = 0
+        # The record number the next drain should start with: records lost before then are no gap of ours.
+        buffered = sink._buffer
+        self._expected_record = buffered[0].seq if buffered else sink.next_seq
+        self.batches_sent = 0
+        """Batches handed to the transport (snapshots included)."""
+        self.events_sent = 0
+        self.snapshots_sent = 0
+        self.records_lost = 0
+        """Records the sink dropped before this publisher could drain them (each loss also skips a batch number)."""
+
+    @property
+    def next_seq(self) -> int:
+        """The number the next batch will get."""
+        return self._seq
+
+    def _send(self, events: tuple[KVEvent, ...], timestamp: float, snapshot: bool) -> None:
+        batch = EventBatch(self.producer, self._seq, timestamp, events, snapshot)
+        data = encode_batch(batch)
+        self._seq += 1  # taken even if sending fails: an undelivered batch is a gap downstream
+        try:
+            self.transport.send(data)
+        except BaseException:
+            self._seq += 1  # the transport may have delivered it and lost what follows: force a gap
+            raise
+        self.batches_sent += 1
+        self.events_sent += len(events)
+
+    def publish(self) -> int:
+        """Drain the sink and send its records; return the number of batches sent."""
+        records = self._sink.drain()
+        if not records:
+            return 0
+        first = records[0].seq
+        if first != self._expected_record:
+            self.records_lost += max(0, first - self._expected_record)
+            self._seq += 1  # the lost records: consumers see a gap and ask for a resync
+            _log.warning(
+                "KV event publisher %r: records %d..%d were dropped by the sink; consumers will see a gap",
+                self.producer,
+                self._expected_record,
+                first - 1,
+            )
+        self._expected_record = records[-1].seq + 1
+        sent = 0
+        size = self.max_batch
+        for k in range(0, len(records), size):
+            chunk = records[k : k + size]
+            self._send(tuple(r.event for r in chunk), chunk[-1].timestamp, False)
+            sent += 1
+        return sent
+
+    def publish_snapshot(self) -> None:
+        """Send the producer's whole cache as a snapshot batch (the next number).
+
+        Records still buffered in the sink are discarded: the snapshot already
+        reflects them, and replaying them after it would apply them twice.
+        """
+        if self._snapshot is None:
+            raise ConfigError(f"publisher {self.producer!r} has no snapshot callable")
+        sink = self._sink
+        sink.drain()
+        events = tuple(self._snapshot())
+        self._expected_record = sink.next_seq
+        self._send(events, sink._clock(), True)
+        self.snapshots_sent += 1
+
+
+# ---------------------------------------------------------------------- consumer
+
+
+class EventConsumer:
+    """Applies batches of many producers in order; detects gaps; waits for snapshots after one.
+
+    Per producer, :meth:`feed` applies batch ``last + 1`` by calling ``on_events``.
+    The first batch of a producer it has not seen is expected to be batch 0 (the
+    start of its stream) or a snapshot -- a consumer that joins late therefore asks
+    for a resync instead of holding a partial view. Any other number is a gap:
+    ``on_gap(producer, expected, got)`` is called once, the producer enters
+    :attr:`needs_resync` and its batches are ignored (counted in ``skipped``) until a
+    snapshot batch arrives, which ``on_snapshot`` applies as a replacement; numbering
+    continues from it. A snapshot is accepted at any number above the last applied.
+    Batches numbered at or below the last applied are duplicates (ignored, counted) --
+    except batch 0, which means the producer restarted: a snapshot 0 is applied, a
+    plain batch 0 is a gap (counted in ``restarts`` too).
+
+    The consumer does not ask producers for a resync itself: ``on_gap`` and
+    :attr:`needs_resync` tell the application, which asks (or producers snapshot
+    periodically). If ``on_events`` / ``on_snapshot`` raises, the producer enters
+    :attr:`needs_resync` (its view may be half-applied) and the exception propagates.
+    """
+
+    __slots__ = (
+        "_last",
+        "_resync",
+        "_time",
+        "batches",
+        "duplicates",
+        "gaps",
+        "malformed",
+        "on_events",
+        "on_gap",
+        "on_snapshot",
+        "restarts",
+        "skipped",
+    )
+
+    def __init__(
+        self,
+        *,
+        on_events: Callable[[str, tuple[KVEvent, ...]], None],
+        on_snapshot: Callable[[str, tuple[KVEvent, ...]], None],
+        on_gap: Callable[[str, int, int], None] | None = None,
+    ) -> None:
+        self.on_events = on_events
+        self.on_snapshot = on_snapshot
+        self.on_gap = on_gap
+        self._last: dict[str, int] = {}
+        self._time: dict[str, float] = {}
+        self._resync: set[str] = set()
+        self.batches = 0
+        """Batches applied (snapshots included)."""
+        self.gaps = 0
+        self.duplicates = 0
+        self.skipped = 0
+        """Batches ignored while their producer waited for a snapshot."""
+        self.restarts = 0
+        self.malformed = 0
+        """Payloads that did not decode (counted by :func:`kvblocks.event_transport.pump`)."""
+
+    @property
+    def needs_resync(self) -> set[str]:
+        """Producers whose view is stale until their next snapshot (a copy)."""
+        return set(self._resync)
+
+    @property
+    def producers(self) -> list[str]:
+        """Producers with at least one applied batch, in first-seen order."""
+        return list(self._last)
+
+    def last_seq(self, producer: str) -> int | None:
+        """Number of the producer's last applied batch (None: nothing applied yet)."""
+        return self._last.get(producer)
+
+    def last_event_time(self, producer: str) -> float | None:
+        """``time.monotonic()`` when the producer's last batch was applied (None: never)."""
+        return self._time.get(producer)
+
+    def forget(self, producer: str) -> None:
+        """Drop all state of ``producer`` (a node that left): its next batch is treated as its first."""
+        self._last.pop(producer, None)
+        self._time.pop(producer, None)
+        self._resync.discard(producer)
+
+    def feed(self, batch: EventBatch) -> bool:
+        """Apply ``batch`` if it is the producer's next one (or a usable snapshot); return whether it was applied."""
+        producer, seq = batch.producer, batch.seq
+        last = self._last.get(producer)
+        restart = last is not None and seq == 0
+        if last is not None and seq <= last and not restart:
+            self.duplicates += 1
+            return False
+        if batch.snapshot:
+            if restart:
+                self.restarts += 1
+            self._resync.discard(producer)
+            self._apply(producer, batch, self.on_snapshot)
+            return True
+        if producer in self._resync:
+            self.skipped += 1
+            return False
+        expected = 0 if last is None else last + 1
+        if restart or seq != expected:
+            if restart:
+                self.restarts += 1
+            self.gaps += 1
+            self._resync.add(producer)
+            if self.on_gap is not None:
+                self.on_gap(producer, expected, seq)
+            return False
+        self._apply(producer, batch, self.on_events)
+        return True
+
+    def _apply(self, producer: str, batch: EventBatch, callback: Callable[[str, tuple[KVEvent, ...]], None]) -> None:
+        self._last[producer] = batch.seq
+        self._time[producer] = time.monotonic()
+        self.batches += 1
+        try:
+            callback(producer, batch.events)
+        except BaseException:
+            self._resync.add(producer)
+            raise

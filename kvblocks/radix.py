@@ -147,6 +147,43 @@ class PrefixTree:
         blocks = self.matched_blocks(hashes, limit)
         return PrefixMatch(tuple(blocks), tuple(hashes[: len(blocks)]))
 
+    def snapshot_events(self) -> list[BlockStored]:
+        """The whole index as ``BlockStored`` events, one per chain, parents before children. Pure.
+
+        Applying them to an empty index rebuilds exactly this tree's hashes and their
+        parents (what an :class:`kvblocks.events.EventPublisher` sends as a snapshot).
+        A chain runs down while a node has exactly one cached child.
+
+        >>> pool = BlockPool(4)
+        >>> tree = PrefixTree(pool)
+        >>> _ = tree.insert([b"a", b"b"], pool.take_fresh(2))
+        >>> _ = tree.insert([b"a", b"c"], pool.take_fresh(2), start=1)
+        >>> [(e.block_hashes, e.parent_hash) for e in tree.snapshot_events()]
+        [((b'a',), None), ((b'b',), b'a'), ((b'c',), b'a')]
+        """
+        hash_of = self._hash_of
+        parent_of = self._parent_of
+        root = self._root
+        children: dict[int, list[int]] = {}
+        for b in self._block_of.values():
+            children.setdefault(parent_of[b], []).append(b)
+        out: list[BlockStored] = []
+        stack = children.get(root, [])[::-1]
+        while stack:
+            b = stack.pop()
+            p = parent_of[b]
+            parent_hash = None if p == root else hash_of[p]
+            chain: list[BlockHash] = [hash_of[b]]  # type: ignore[list-item]  # b is a node
+            kids = children.get(b)
+            while kids is not None and len(kids) == 1:
+                b = kids[0]
+                chain.append(hash_of[b])  # type: ignore[arg-type]
+                kids = children.get(b)
+            out.append(BlockStored(tuple(chain), parent_hash, self.tier))
+            if kids:
+                stack.extend(reversed(kids))
+        return out
+
     # ------------------------------------------------------------------ insert
 
     def insert(

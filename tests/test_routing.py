@@ -31,6 +31,12 @@ def router(workers=("w0", "w1", "w2"), clock=None, **config) -> Router:
     return Router(workers, RouterConfig(block_size=B, **config), clock=clock or Clock())
 
 
+def pick(r: Router, *args, **kwargs):
+    """The worker ``route`` chooses (its lease released at once)."""
+    with r.route(*args, **kwargs) as lease:
+        return lease.worker
+
+
 def tokens(n_blocks: int, start: int = 0) -> list[int]:
     return list(range(start, start + n_blocks * B + 1))  # n full blocks and one more token
 
@@ -51,7 +57,7 @@ def test_the_worker_holding_the_prompt_wins() -> None:
         assert lease.worker == "w2" and lease.overlap_blocks == 5.0
         assert lease.prefill_tokens == len(prompt) - 5 * B
     # another prompt overlaps nowhere: the least loaded, earliest worker
-    assert r.route(tokens(6, start=1000)).worker == "w0"
+    assert pick(r, tokens(6, start=1000)) == "w0"
 
 
 def test_overlap_is_a_leading_run() -> None:
@@ -98,7 +104,9 @@ def test_route_minimises_the_documented_cost(seed: int) -> None:
     best = min(costs.values())
     ties = [w for w in r.workers if costs[w] == best]
     key = {w: (r.load(w).running + r.load(w).inflight_prefill_tokens, i) for i, w in enumerate(r.workers)}
-    assert r.route(prompt).worker == min(ties, key=key.__getitem__)
+    assert pick(r, prompt) == min(ties, key=key.__getitem__)
+    for lease in leases:
+        lease.release()
 
 
 def test_ties_go_to_the_less_loaded_then_the_earlier_worker() -> None:
@@ -106,7 +114,7 @@ def test_ties_go_to_the_less_loaded_then_the_earlier_worker() -> None:
     first = r.route(tokens(2, start=100))  # w0 now runs one sequence: same cost (no decode weight), more load
     first.prefill_done()
     assert first.worker == "w0"
-    assert r.route(tokens(2, start=200)).worker == "w1"
+    assert pick(r, tokens(2, start=200)) == "w1"
 
 
 def test_device_hits_outweigh_host_and_storage_hits() -> None:
@@ -116,7 +124,7 @@ def test_device_hits_outweigh_host_and_storage_hits() -> None:
     r.apply_events("w1", [BlockStored(tuple(h), None, "host")])
     r.apply_events("w2", [BlockStored(tuple(h[:2]), None, "device"), BlockStored(tuple(h[2:]), None, "host")])
     assert r.overlaps(h) == {"w0": 1.0, "w1": 2.0, "w2": 3.0}
-    assert r.route(tokens(4)).worker == "w2"
+    assert pick(r, tokens(4)) == "w2"
 
 
 def test_events_remove_and_clear() -> None:
@@ -220,7 +228,7 @@ def test_workers_drain_and_are_removed() -> None:
     h = hashes(tokens(4))
     r.apply_events("w0", [BlockStored(tuple(h), None, "device")])
     r.drain_worker("w0")
-    assert r.route(tokens(4)).worker != "w0"
+    assert pick(r, tokens(4)) != "w0"
     r.undrain_worker("w0")
     lease = r.route(tokens(4))
     assert lease.worker == "w0"
@@ -247,7 +255,7 @@ def test_approximate_mode_remembers_routes_until_they_expire() -> None:
     first = r.route(prompt)
     first.release()
     clock.now = 5.0
-    assert r.route(prompt).worker == first.worker  # its blocks are believed cached there
+    assert pick(r, prompt) == first.worker  # its blocks are believed cached there
     clock.now = 16.0
     r.route(tokens(1, start=999)).release()  # any route expires old entries
     assert r.overlaps(hashes(prompt)) == {w: 0.0 for w in r.workers}
@@ -474,3 +482,61 @@ def test_cache_aware_routing_keeps_the_hit_rate_of_one_big_cache_and_balances_lo
     assert hit >= 0.9 * reference, (hit, reference, results)
     assert balance <= 1.5, results
     assert hit > results["round-robin"][0] and hit > results["least-loaded"][0]
+
+
+# ---------------------------------------------------------------- through the event wire
+
+
+def test_a_router_follows_workers_through_published_event_batches() -> None:
+    """Workers publish their KV events as batches; the router's consumer applies them, detects a lost
+    batch, resyncs from a snapshot, and routes by what the workers really hold."""
+    from kvblocks import EventConsumer, EventPublisher
+    from kvblocks.event_transport import InProcessTransport, pump
+
+    class Lossy(InProcessTransport):
+        drop_next = False
+
+        def send(self, data: bytes) -> None:
+            if self.drop_next:
+                self.drop_next = False
+                return
+            super().send(data)
+
+    names = ("w0", "w1")
+    sinks = {w: EventSink() for w in names}
+    managers = {w: KVCacheManager(16, B, event_sink=sinks[w]) for w in names}
+    transport = Lossy()
+    publishers = {w: EventPublisher(w, sinks[w], transport, snapshot=managers[w].tree.snapshot_events) for w in names}
+    r = Router(names, RouterConfig(block_size=B))
+    consumer = EventConsumer(on_events=r.apply_events, on_snapshot=r.replace_index)
+
+    def serve(w: str, seq: str, toks: list[int]) -> None:
+        m = managers[w]
+        m.add_sequence(seq, toks)
+        m.allocate(seq, len(toks) - m.lookup(seq).device)
+        m.commit(seq, len(toks))
+        m.free(seq)
+        publishers[w].publish()
+        pump(transport, consumer)
+
+    def assert_router_knows_the_trees() -> None:
+        for w, m in managers.items():
+            held = {m.tree.hash_of(b) for b in range(m.num_blocks)} - {None}
+            assert r._workers[w].held["device"] == held
+
+    serve("w0", "a", tokens(3, start=0))
+    serve("w1", "b", tokens(3, start=100))
+    assert_router_knows_the_trees()
+    with r.route(tokens(3, start=100)) as lease:
+        assert lease.worker == "w1"
+    transport.drop_next = True
+    serve("w0", "c", tokens(3, start=200))  # this batch is lost ...
+    serve("w0", "d", tokens(3, start=300))  # ... so this one reveals the gap
+    assert consumer.needs_resync == {"w0"}
+    publishers["w0"].publish_snapshot()
+    pump(transport, consumer)
+    assert consumer.needs_resync == set()
+    assert_router_knows_the_trees()
+    with r.route(tokens(3, start=200)) as lease:
+        assert lease.worker == "w0"
+    r.check_integrity()

@@ -16,7 +16,8 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from kvblocks.errors import BackendUnavailableError, ConfigError
+from kvblocks.errors import ConfigError
+from kvblocks.redis_client import connect
 from kvblocks.tiers.entry import valid_key
 from kvblocks.tiers.storage import StorageStats
 
@@ -34,23 +35,12 @@ class RedisStorage:
         socket_timeout: float = 1.0,
         prefix: str = "kvblocks:",
     ) -> None:
-        try:
-            import redis
-        except ImportError as error:
-            raise BackendUnavailableError(
-                'RedisStorage needs the redis package: pip install "kvblocks[redis]"'
-            ) from error
         if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not ttl_seconds > 0):
             raise ConfigError(f"ttl_seconds must be > 0 or None, got {ttl_seconds!r}")
         if not socket_timeout > 0:
             raise ConfigError(f"socket_timeout must be > 0, got {socket_timeout!r}")
-        try:
-            self._client: Any = redis.Redis.from_url(
-                url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout, retry_on_timeout=False
-            )
-        except ValueError as error:
-            raise ConfigError(f"not a Redis URL: {url!r} ({error})") from error
-        self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
+        self._client: Any
+        self._client, self._errors = connect(url, socket_timeout, user="RedisStorage")
         self._ttl_ms = None if ttl_seconds is None else max(1, int(ttl_seconds * 1000))
         self._prefix = prefix
         self.url = url

@@ -10,7 +10,13 @@ counter it took exactly once.
 The cost of sending a prompt of ``P`` full blocks to worker ``w``, in blocks::
 
     cost(w) = prefill_weight * (max(0, P - credit * overlap(w)) + inflight_prefill_tokens(w) / block_size)
-              + decode_weight * running(w)
+              + decode_weight * running(w) / block_size
+              + eviction_weight * evicted_recently(w) * new_share(w)
+
+``decode_weight`` is what one running sequence weighs, in prefill tokens; ``evicted_recently(w)``
+counts the blocks ``w`` evicted lately (halved every ``eviction_half_life`` routes) and
+``new_share(w)`` is the share of the prompt's blocks that would be new on ``w``: a prompt that would
+fill a thrashing cache with new blocks goes elsewhere, a continuation stays where its prefix is.
 
 ``overlap(w)`` is the leading run of prompt blocks ``w`` holds, each weighted by the best tier
 holding it (device 1.0, host 0.5, storage 0.25 by default). The lowest cost wins; ties go to
@@ -71,13 +77,20 @@ class RouterConfig:
     """precise: indexes follow workers' KV events; approximate: the router's own routing decisions, with a TTL."""
     approx_ttl_s: float = 120.0
     prefill_weight: float = 1.0
-    decode_weight: float = 1.0
+    decode_weight: float = 128.0
+    """Prefill tokens one running sequence weighs (decode work keeps a worker busy too)."""
     overlap_credit: float = 1.0
     tier_weights: tuple[tuple[str, float], ...] = (("device", 1.0), ("host", 0.5), ("storage", 0.25))
     temperature: float = 0.0
     seed: int | None = 0
     silent_after_s: float = 30.0
     """Precise mode: a worker routed to with no event for this long is reported silent."""
+    eviction_weight: float = 0.2
+    """Precise mode: cost (in blocks) per block a worker evicted recently, scaled by the share of the
+    prompt that would be new there: prompts that bring many new blocks avoid workers whose caches are
+    thrashing, while continuations stay with the worker that holds them."""
+    eviction_half_life: int = 64
+    """Routes after which recent evictions count half."""
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -88,7 +101,10 @@ class RouterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name} must be a number > 0, got {value!r}")
-        for name in ("prefill_weight", "decode_weight", "overlap_credit", "temperature"):
+        half_life = self.eviction_half_life
+        if isinstance(half_life, bool) or not isinstance(half_life, int) or half_life < 1:
+            raise ConfigError(f"eviction_half_life must be an int >= 1, got {half_life!r}")
+        for name in ("prefill_weight", "decode_weight", "overlap_credit", "temperature", "eviction_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
                 raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
@@ -108,6 +124,7 @@ class WorkerLoad:
     cached_blocks: int
     draining: bool
     silent: bool
+    evicted_recently: float = 0.0
 
 
 @dataclass
@@ -124,6 +141,7 @@ class _Worker:
     routed_since_event: float | None = None  # when the first route after the last event was sent
     silent: bool = False
     version: int = 0  # bumped on every load change: older heap entries are stale
+    evicted_recently: float = 0.0  # blocks evicted, halved every eviction_half_life routes
 
 
 class Lease:
@@ -220,6 +238,7 @@ class Router:
         self._expiry_queue: deque[tuple[float, int, BlockHash]] = deque()
         self._rng = random.Random(config.seed)
         self._heap: list[tuple[float, int, int, int, _Worker]] = []
+        self._routes_since_decay = 0
         self.routed = 0
         self.leaked_leases = 0
         self.silent_reports = 0
@@ -274,7 +293,13 @@ class Router:
     def load(self, worker: Hashable) -> WorkerLoad:
         w = self._worker(worker)
         return WorkerLoad(
-            w.id, w.running, w.inflight, sum(len(s) for s in w.held.values()), w.draining, self._is_silent(w)
+            w.id,
+            w.running,
+            w.inflight,
+            sum(len(s) for s in w.held.values()),
+            w.draining,
+            self._is_silent(w),
+            w.evicted_recently,
         )
 
     def _worker(self, worker: Hashable) -> _Worker:
@@ -300,6 +325,9 @@ class Router:
                 self._add(w, event.tier, event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 self._remove(w, event.tier, event.block_hashes)
+                if event.tier == "device" and self.config.eviction_weight:
+                    w.evicted_recently += len(event.block_hashes)
+                    self._push(w)
             elif isinstance(event, AllBlocksCleared):
                 self._clear(w, (event.tier,))
             else:
@@ -423,8 +451,25 @@ class Router:
     # not O(all workers).
 
     def _base(self, w: _Worker) -> float:
+        """The part of a worker's cost that does not depend on the prompt."""
         config = self.config
-        return config.prefill_weight * w.inflight / config.block_size + config.decode_weight * w.running
+        return (
+            config.prefill_weight * w.inflight / config.block_size
+            + config.decode_weight * w.running / config.block_size
+            + config.eviction_weight * w.evicted_recently
+        )
+
+    def _decay_evictions(self) -> None:
+        """Every ``eviction_half_life`` routes recent evictions count half (and the heap is rebuilt)."""
+        self._routes_since_decay += 1
+        if self._routes_since_decay < self.config.eviction_half_life:
+            return
+        self._routes_since_decay = 0
+        for w in self._workers.values():
+            w.evicted_recently /= 2
+            w.version += 1
+        self._heap = [(self._base(w), w.running + w.inflight, w.order, w.version, w) for w in self._workers.values()]
+        heapq.heapify(self._heap)
 
     def _push(self, w: _Worker) -> None:
         w.version += 1
@@ -479,6 +524,8 @@ class Router:
         now = self._clock()
         if config.mode == "approximate":
             self._expire(now)
+        elif config.eviction_weight:
+            self._decay_evictions()
         alive = self._healthy
         if not alive:
             raise NoWorkerError("no healthy worker to route to")
@@ -509,7 +556,9 @@ class Router:
     def _cheapest(self, hashes: Sequence[BlockHash], alive: int, blocks: int) -> tuple[_Worker, float]:
         """The lowest (cost, load, order) among healthy workers, and its overlap."""
         config = self.config
-        pw, credit, dw = config.prefill_weight, config.overlap_credit, config.decode_weight
+        pw, credit = config.prefill_weight, config.overlap_credit
+        dw = config.decode_weight / config.block_size
+        ew = config.eviction_weight
         per_token = pw / config.block_size
         by_bit = self._by_bit
         best: _Worker | None = None
@@ -522,7 +571,8 @@ class Router:
         device_only = not self._masks["host"] and not self._masks["storage"]
         device = self._weights.get("device", 0.0)
         top_weight = max(self._weights.values(), default=0.0)
-        floor = idle[0] if idle is not None else 0.0  # no worker's load cost is below the heap's top
+        # no worker's load cost is below the heap's top (with eviction pressure scaled per prompt: below 0)
+        floor = idle[0] if idle is not None and not ew else 0.0
         for run, mask in reversed(self._runs(hashes, alive)):  # longest runs first: the rest often pruned
             if not run:
                 continue
@@ -538,6 +588,8 @@ class Router:
                     overlap = self._weighted(hashes, w.bit, run)
                     part = pw * max(0.0, blocks - credit * overlap)
                 cost = part + per_token * w.inflight + dw * w.running
+                if ew:  # eviction pressure weighs the blocks this prompt would add to the worker
+                    cost += ew * w.evicted_recently * max(0.0, blocks - overlap) / blocks
                 if cost < best_cost or (cost == best_cost and (w.running + w.inflight, w.order) < best_tie):
                     best, best_cost, best_tie, best_overlap = w, cost, (w.running + w.inflight, w.order), overlap
         if best is None:

@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--block-size", type=int, default=16, help="tokens per block for token-id traces (16)")
         p.add_argument("--concurrency", type=int, default=1, help="requests running at once per worker (1)")
         p.add_argument("--workers", type=int, default=1, help="route over N workers, each with blocks/N (1)")
+        p.add_argument("--host-blocks", type=int, default=0, help="a host tier of N blocks (split over workers)")
+        p.add_argument("--storage-blocks", type=int, default=0, help="a shared storage tier of N entries")
         p.add_argument(
             "--reference",
             action="store_true",
@@ -126,6 +128,8 @@ def _replay(args: argparse.Namespace, blocks: int | None = None) -> Any:
             concurrency=args.concurrency,
             workers=args.workers,
             reference=args.reference,
+            host_blocks=args.host_blocks,
+            storage_blocks=args.storage_blocks,
             progress=update,
         )
     finally:
@@ -134,6 +138,20 @@ def _replay(args: argparse.Namespace, blocks: int | None = None) -> Any:
 
 def _percent(x: float) -> str:
     return f"{100 * x:.2f}%"
+
+
+def _tiers(result: Any) -> str:
+    total = result.prompt_tokens or 1
+    parts = [f"device {_percent(result.hit_tokens_device / total)}"]
+    if result.host_blocks:
+        parts.append(f"host {_percent(result.hit_tokens_host / total)}")
+    if result.storage_blocks:
+        parts.append(f"storage {_percent(result.hit_tokens_storage / total)}")
+    return ", ".join(parts) + " of prompt tokens"
+
+
+def _host_evictions(result: Any) -> str:
+    return f", {result.host_evicted_blocks:,} host blocks" if result.host_blocks else ""
 
 
 def _cmd_replay(args: argparse.Namespace, out: io.TextIOBase) -> None:
@@ -148,7 +166,8 @@ def _cmd_replay(args: argparse.Namespace, out: io.TextIOBase) -> None:
         ("capacity", f"{capacity} ({result.capacity_blocks:,} blocks over {result.workers} worker(s))"),
         ("prompt tokens", f"{result.prompt_tokens:,}"),
         ("hit rate", f"{_percent(result.token_hit_rate)} of tokens, {_percent(result.block_hit_rate)} of blocks"),
-        ("evictions", f"{result.evicted_blocks:,} blocks"),
+        ("by tier", _tiers(result)),
+        ("evictions", f"{result.evicted_blocks:,} device blocks" + _host_evictions(result)),
         (
             "peak usage",
             f"{result.peak_blocks_in_use:,} blocks ({_percent(result.peak_blocks_in_use / result.capacity_blocks)})",
@@ -187,6 +206,8 @@ def _cmd_sweep(args: argparse.Namespace, out: io.TextIOBase) -> None:
             concurrency=args.concurrency,
             workers=args.workers,
             reference=args.reference,
+            host_blocks=args.host_blocks,
+            storage_blocks=args.storage_blocks,
         )
         rows.append(
             (capacity, capacity / working_set, result.token_hit_rate, result.block_hit_rate, result.evicted_blocks)

@@ -37,9 +37,15 @@ class ReplayResult:
     workers: int
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    hit_tokens_device: int = 0
+    hit_tokens_host: int = 0
+    hit_tokens_storage: int = 0
+    host_blocks: int = 0
+    storage_blocks: int = 0
     prompt_blocks: int = 0
     hit_blocks: int = 0
     evicted_blocks: int = 0
+    host_evicted_blocks: int = 0
     peak_blocks_in_use: int = 0
     seconds: float = 0.0
     worker_prefill_tokens: list[int] = field(default_factory=list)
@@ -107,68 +113,134 @@ def replay(
     concurrency: int = 1,
     workers: int = 1,
     reference: bool = False,
+    host_blocks: int = 0,
+    storage_blocks: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> ReplayResult:
-    """Replay ``trace``; ``blocks`` is the total capacity (None: room for everything)."""
+    """Replay ``trace``; ``blocks`` is the total device capacity (None: room for everything).
+
+    ``host_blocks`` (split over the workers) adds a host tier with write-back; ``storage_blocks``
+    adds one storage tier shared by all workers (in memory, an LRU byte budget of that many
+    entries). Hits are then reported per tier.
+    """
     if trace.kind == "hash_ids":
         block_size = trace.block_tokens or block_size
     elif reference:
         raise ConfigError("reference counting applies to hash-id traces (the published Mooncake figures)")
-    for name, value in (("concurrency", concurrency), ("workers", workers), ("block_size", block_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    for name, value, low in (
+        ("concurrency", concurrency, 1),
+        ("workers", workers, 1),
+        ("block_size", block_size, 1),
+        ("host_blocks", host_blocks, 0),
+        ("storage_blocks", storage_blocks, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
     shapes = [_shape(trace, r, block_size, reference) for r in trace.requests]
     largest = max(-(-(kw.get("num_tokens") or len(kw["token_ids"])) // block_size) for kw, _ in shapes)
     if blocks is None:
         blocks = working_set_blocks(trace, block_size) + largest * concurrency * workers + workers
-    per_worker = blocks // workers
+    per_worker = blocks // workers if isinstance(blocks, int) else 0
     if isinstance(blocks, bool) or not isinstance(blocks, int) or per_worker < largest:
         raise ConfigError(
             f"{blocks} blocks over {workers} worker(s) cannot hold the trace's largest request ({largest} blocks)"
         )
     sinks = [EventSink(capacity=0) for _ in range(workers)]
-    managers = [
-        KVCacheManager(per_worker, block_size, event_sink=sinks[i] if workers > 1 else None) for i in range(workers)
-    ]
+    managers = _managers(workers, per_worker, block_size, sinks, host_blocks // workers, storage_blocks)
+    tiered = host_blocks > 0 or storage_blocks > 0
     router = _router(workers, block_size, sinks)
     result = ReplayResult(trace.name, len(trace), block_size, per_worker * workers, workers)
+    result.host_blocks, result.storage_blocks = host_blocks, storage_blocks
     result.worker_prefill_tokens = [0] * workers
     running: deque[tuple[Hashable, int, Any]] = deque()
     started = time.perf_counter()
-    for i, (kwargs, prompt_blocks) in enumerate(shapes):
-        lease = None
-        if router is not None:
-            lease = router.route(block_hashes=_hashes_for_routing(managers[0], kwargs), num_tokens=_tokens(kwargs))
-            w = lease.worker
-        else:
-            w = 0
-        m = managers[w]
-        m.add_sequence(i, **kwargs)
-        cached = m.lookup(i).device
-        num_tokens = m.num_tokens(i)
-        while m.allocate(i, num_tokens - cached) is None:
-            _finish_oldest(running, managers, w)
-        m.commit(i, num_tokens)
-        if lease is not None:
-            lease.prefill_done()
-        result.prompt_tokens += trace.requests[i].num_tokens if not reference else num_tokens - 1
-        result.hit_tokens += cached
-        result.prompt_blocks += prompt_blocks
-        result.hit_blocks += cached // block_size
-        result.worker_prefill_tokens[w] += num_tokens - cached
-        result.peak_blocks_in_use = max(result.peak_blocks_in_use, sum(x.pool.num_in_use for x in managers))
-        running.append((i, w, lease))
-        if len(running) >= concurrency * workers:
+    try:
+        for i, (kwargs, prompt_blocks) in enumerate(shapes):
+            lease = None
+            if router is not None:
+                lease = router.route(block_hashes=_hashes_for_routing(managers[0], kwargs), num_tokens=_tokens(kwargs))
+                w = lease.worker
+            else:
+                w = 0
+            m = managers[w]
+            m.add_sequence(i, **kwargs)
+            num_tokens = m.num_tokens(i)
+            while m.allocate(i, num_tokens - m.lookup(i).total) is None:
+                _finish_oldest(running, managers, w)
+            if tiered:
+                _settle(m, i, num_tokens, running, managers, w)
+            cached = m.num_computed_tokens(i)
+            m.commit(i, num_tokens)
+            if lease is not None:
+                lease.prefill_done()
+            result.prompt_tokens += trace.requests[i].num_tokens if not reference else num_tokens - 1
+            result.prompt_blocks += prompt_blocks
+            result.hit_blocks += cached // block_size
+            result.worker_prefill_tokens[w] += num_tokens - cached
+            result.peak_blocks_in_use = max(result.peak_blocks_in_use, sum(x.pool.num_in_use for x in managers))
+            running.append((i, w, lease))
+            if len(running) >= concurrency * workers:
+                _finish(running.popleft(), managers)
+            if progress is not None:
+                progress(1)
+        while running:
             _finish(running.popleft(), managers)
-        if progress is not None:
-            progress(1)
-    while running:
-        _finish(running.popleft(), managers)
-    result.seconds = time.perf_counter() - started
-    result.evicted_blocks = sum(m.stats.evicted_blocks for m in managers)
-    for m in managers:
-        m.check_integrity()
+        result.seconds = time.perf_counter() - started
+        for m in managers:
+            stats = m.stats
+            result.hit_tokens_device += stats.hit_tokens_device
+            result.hit_tokens_host += stats.hit_tokens_host
+            result.hit_tokens_storage += stats.hit_tokens_storage
+            result.evicted_blocks += stats.evicted_blocks
+            if tiered:
+                result.host_evicted_blocks += m.tier_stats.host_evicted
+            m.check_integrity()
+        result.hit_tokens = result.hit_tokens_device + result.hit_tokens_host + result.hit_tokens_storage
+    finally:
+        for m in managers:
+            close = getattr(m, "close", None)
+            if close is not None:
+                close(timeout=5)
     return result
+
+
+def _managers(
+    workers: int, per_worker: int, block_size: int, sinks: list[EventSink], host: int, storage: int
+) -> list[Any]:
+    """Plain managers, or tiered ones over a host tier each and one shared in-memory storage tier."""
+    events = [sinks[i] if workers > 1 else None for i in range(workers)]
+    if not host and not storage:
+        return [KVCacheManager(per_worker, block_size, event_sink=events[i]) for i in range(workers)]
+    from kvblocks.hashing import DEFAULT_SCHEME
+    from kvblocks.tiers import EntryFormat, MemoryStorage, TierConfig, TieredKVCacheManager
+    from kvblocks.tiers.entry import HEADER
+
+    entry = EntryFormat(DEFAULT_SCHEME, "uint8", (1,), 0, 1)  # bookkeeping only: a one-byte payload
+    shared = MemoryStorage(byte_budget=storage * (HEADER.size + 1)) if storage else None
+    config = TierConfig(num_host_blocks=host, storage=shared, entry_format=entry if shared is not None else None)
+    return [TieredKVCacheManager(per_worker, block_size, tiers=config, event_sink=events[i]) for i in range(workers)]
+
+
+def _settle(m: Any, seq: int, num_tokens: int, running: Any, managers: list[Any], w: int) -> None:
+    """Run the admission's copies (bookkeeping only) until the sequence is ready; allocate what a short
+    read left to compute."""
+    deadline = time.monotonic() + 30
+    while True:
+        plan = m.take_transfers()
+        m.complete_transfers(plan, saved=[b"\0"] * len(plan.saves) if plan.saves else None)
+        m.poll_loads()
+        if m.is_ready(seq):
+            break
+        if time.monotonic() > deadline:
+            raise ConfigError("a storage read never finished")
+        if m.storage is not None:
+            m.storage.wait_idle(0.05)
+    if len(m.block_table(seq)) * m.block_size >= num_tokens:
+        return
+    while m.allocate(seq, num_tokens - m.num_computed_tokens(seq)) is None:  # a read fell short
+        _finish_oldest(running, managers, w)
+    plan = m.take_transfers()
+    m.complete_transfers(plan, saved=[b"\0"] * len(plan.saves) if plan.saves else None)
 
 
 def _tokens(kwargs: dict[str, Any]) -> int:
@@ -198,14 +270,14 @@ def _router(workers: int, block_size: int, sinks: list[EventSink]) -> Any:
     return router
 
 
-def _finish(entry: tuple[Hashable, int, Any], managers: list[KVCacheManager]) -> None:
+def _finish(entry: tuple[Hashable, int, Any], managers: list[Any]) -> None:
     seq, w, lease = entry
     managers[w].free(seq)
     if lease is not None:
         lease.release()
 
 
-def _finish_oldest(running: deque[tuple[Hashable, int, Any]], managers: list[KVCacheManager], worker: int) -> None:
+def _finish_oldest(running: deque[tuple[Hashable, int, Any]], managers: list[Any], worker: int) -> None:
     """Free the oldest running request on ``worker`` (the pool is full: wait for it to finish)."""
     for k, entry in enumerate(running):
         if entry[1] == worker:

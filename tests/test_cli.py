@@ -232,3 +232,30 @@ def test_the_console_script_and_python_dash_m() -> None:
     done = subprocess.run([script, "replay", "--json"], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and json.loads(done.stdout)["requests"] == 701
     assert done.stderr == ""  # no progress bar when stderr is not a terminal
+
+
+# ---------------------------------------------------------------- tiers in the replay
+
+
+def test_a_host_tier_as_big_as_the_working_set_recovers_every_hit_of_an_unlimited_cache() -> None:
+    from kvblocks.replay import replay
+
+    trace = synthetic_chat()
+    unlimited = replay(trace)
+    small = replay(trace, blocks=1500, concurrency=4)
+    with_host = replay(trace, blocks=1500, concurrency=4, host_blocks=20_000)
+    assert small.hit_tokens < unlimited.hit_tokens and small.evicted_blocks > 0
+    assert with_host.hit_tokens == unlimited.hit_tokens  # every evicted block came back from host
+    assert with_host.hit_tokens_device == small.hit_tokens_device and with_host.hit_tokens_host > 0
+    assert with_host.hit_tokens == with_host.hit_tokens_device + with_host.hit_tokens_host
+
+
+def test_replay_reports_storage_hits_and_prints_the_breakdown() -> None:
+    status, text = run("replay", "--blocks", "1500", "--concurrency", "4", "--storage-blocks", "20000", "--json")
+    result = json.loads(text)
+    _, plain = run("replay", "--json")
+    unlimited = json.loads(plain)["hit_tokens"]
+    assert status == 0 and result["hit_tokens_storage"] > 0 and result["hit_tokens_host"] == 0
+    assert 0.99 * unlimited <= result["hit_tokens"] <= unlimited  # writes are asynchronous: a few reads miss
+    status, text = run("replay", "--blocks", "1500", "--host-blocks", "800", "--storage-blocks", "20000")
+    assert status == 0 and "by tier        device" in text and "host" in text and "storage" in text

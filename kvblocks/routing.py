@@ -46,7 +46,15 @@ from types import TracebackType
 
 from kvblocks.errors import ConfigError, InvalidArgumentError, KVBlocksError
 from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvblocks.hashing import DEFAULT_SCHEME, BlockExtras, BlockHash, BlockHasher, HashedTokens, Namespace
+from kvblocks.hashing import (
+    DEFAULT_SCHEME,
+    HASH_SCHEMES,
+    BlockExtras,
+    BlockHash,
+    BlockHasher,
+    HashedTokens,
+    Namespace,
+)
 
 __all__ = ["Lease", "NoWorkerError", "Router", "RouterConfig", "WorkerLoad"]
 
@@ -108,9 +116,22 @@ class RouterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
                 raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
-        weights = dict(self.tier_weights)
-        if set(weights) - set(TIERS) or any(not (isinstance(w, (int, float)) and w >= 0) for w in weights.values()):
-            raise ConfigError(f"tier_weights must map tiers among {TIERS} to numbers >= 0, got {self.tier_weights!r}")
+        if self.hash_scheme not in HASH_SCHEMES:
+            known = ", ".join(sorted(HASH_SCHEMES))
+            raise ConfigError(f"unknown hash scheme {self.hash_scheme!r}; known: {known}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed must be an int or None, got {self.seed!r}")
+        message = f"tier_weights must be (tier, weight) pairs, tiers among {TIERS}, weights numbers >= 0"
+        try:
+            weights = dict(self.tier_weights)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{message}; got {self.tier_weights!r}") from None
+        if set(weights) - set(TIERS) or any(
+            isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0 or math.isinf(w)
+            for w in weights.values()
+        ):
+            raise ConfigError(f"{message}; got {self.tier_weights!r}")
+        object.__setattr__(self, "tier_weights", tuple(weights.items()))
         object.__setattr__(self, "namespace", Namespace.of(self.namespace))
 
 

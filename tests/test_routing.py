@@ -306,6 +306,14 @@ def test_bad_configuration() -> None:
         {"block_size": 4, "temperature": -1},
         {"block_size": 4, "approx_ttl_s": 0},
         {"block_size": 4, "tier_weights": (("gpu", 1.0),)},
+        {"block_size": 4, "tier_weights": 5},
+        {"block_size": 4, "tier_weights": (("device", True),)},
+        {"block_size": 4, "tier_weights": (("device", float("inf")),)},
+        {"block_size": 4, "hash_scheme": "md5"},
+        {"block_size": 4, "seed": 1.5},
+        {"block_size": 4, "seed": True},
+        {"block_size": 4, "eviction_half_life": 0},
+        {"block_size": 4, "eviction_weight": -0.1},
     ):
         with pytest.raises(ConfigError):
             RouterConfig(**bad)

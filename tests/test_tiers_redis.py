@@ -119,6 +119,10 @@ def test_configuration_errors(redis_url, monkeypatch) -> None:
         RedisStorage(redis_url, ttl_seconds=0)
     with pytest.raises(ConfigError):
         RedisStorage(redis_url, socket_timeout=0)
+    with pytest.raises(ConfigError):
+        RedisStorage(redis_url, socket_timeout=True)
+    with pytest.raises(ConfigError):
+        RedisStorage(redis_url, prefix=3)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError):
         RedisStorage(redis_url).get(["../etc"])
     monkeypatch.setitem(sys.modules, "redis", None)

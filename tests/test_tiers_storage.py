@@ -255,6 +255,8 @@ def test_bad_storage_configuration(tmp_path) -> None:
             MemoryStorage(byte_budget=bad)
         with pytest.raises(ConfigError):
             FileStorage(tmp_path, byte_budget=bad)
+    with pytest.raises(ConfigError, match="fsync"):
+        FileStorage(tmp_path, fsync=1)  # type: ignore[arg-type]
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(ConfigError, match="storage directory"):
         FileStorage(tmp_path / "file" / "sub")

@@ -49,6 +49,8 @@ class FileStorage:
         except OSError as error:
             raise ConfigError(f"cannot use {self.root} as a storage directory: {error}") from error
         self._budget = byte_budget
+        if not isinstance(fsync, bool):
+            raise ConfigError(f"fsync must be a bool, got {fsync!r}")
         self._fsync = fsync
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first

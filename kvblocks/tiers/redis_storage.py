@@ -37,8 +37,10 @@ class RedisStorage:
     ) -> None:
         if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not ttl_seconds > 0):
             raise ConfigError(f"ttl_seconds must be > 0 or None, got {ttl_seconds!r}")
-        if not socket_timeout > 0:
-            raise ConfigError(f"socket_timeout must be > 0, got {socket_timeout!r}")
+        if isinstance(socket_timeout, bool) or not isinstance(socket_timeout, (int, float)) or not socket_timeout > 0:
+            raise ConfigError(f"socket_timeout must be a number > 0, got {socket_timeout!r}")
+        if not isinstance(prefix, str):
+            raise ConfigError(f"prefix must be a str, got {type(prefix).__name__}")
         self._client: Any
         self._client, self._errors = connect(url, socket_timeout, user="RedisStorage")
         self._ttl_ms = None if ttl_seconds is None else max(1, int(ttl_seconds * 1000))

@@ -198,7 +198,9 @@ class PrefillHandoff:
         return handoff
 
     def validate(self) -> None:
-        """Internal consistency: counts, block ids, hashes against the prompt length."""
+        """Internal consistency: counts, block ids, hashes against the prompt length (checked once per object)."""
+        if self.__dict__.get("_validated"):
+            return
         if not isinstance(self.seq_id, (str, int)) or isinstance(self.seq_id, bool):
             raise HandoffError(f"handoff seq_id must be a str or int, got {type(self.seq_id).__name__}")
         for name in ("num_prompt_tokens", "block_size"):
@@ -219,6 +221,7 @@ class PrefillHandoff:
             raise HandoffError("handoff source blocks must be ints >= 0")
         if not isinstance(self.cached, CachedTokens) or self.cached.num_prompt_tokens != self.num_prompt_tokens:
             raise HandoffError("handoff cached tokens must be a CachedTokens of the same prompt")
+        object.__setattr__(self, "_validated", True)  # immutable: once sound, always sound
 
 
 # ---------------------------------------------------------------------------------------------- prefill

@@ -115,23 +115,19 @@ def _progress(total: int) -> tuple[Callable[[int], None] | None, Callable[[], No
     return bar.update, bar.close
 
 
-def _replay(args: argparse.Namespace, blocks: int | None = None) -> Any:
+def _replay_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The replay settings shared by ``replay`` and ``sweep``."""
+    names = ("block_size", "concurrency", "workers", "reference", "host_blocks", "storage_blocks")
+    return {name: getattr(args, name) for name in names}
+
+
+def _replay(args: argparse.Namespace) -> Any:
     from kvblocks.replay import replay
 
     trace = _load(args.trace)
     update, close = _progress(len(trace))
     try:
-        return trace, replay(
-            trace,
-            blocks=blocks if blocks is not None else getattr(args, "blocks", None),
-            block_size=args.block_size,
-            concurrency=args.concurrency,
-            workers=args.workers,
-            reference=args.reference,
-            host_blocks=args.host_blocks,
-            storage_blocks=args.storage_blocks,
-            progress=update,
-        )
+        return trace, replay(trace, blocks=args.blocks, progress=update, **_replay_options(args))
     finally:
         close()
 
@@ -199,16 +195,7 @@ def _cmd_sweep(args: argparse.Namespace, out: io.TextIOBase) -> None:
             raise KVBlocksError('--plot needs matplotlib: pip install "kvblocks[plot]"') from None
     rows = []
     for capacity in capacities:
-        result = replay(
-            trace,
-            blocks=capacity,
-            block_size=args.block_size,
-            concurrency=args.concurrency,
-            workers=args.workers,
-            reference=args.reference,
-            host_blocks=args.host_blocks,
-            storage_blocks=args.storage_blocks,
-        )
+        result = replay(trace, blocks=capacity, **_replay_options(args))
         rows.append(
             (capacity, capacity / working_set, result.token_hit_rate, result.block_hit_rate, result.evicted_blocks)
         )

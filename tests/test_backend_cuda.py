@@ -6,16 +6,14 @@ device with ``python -m pytest -m cuda``.
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvblocks.backends import CPUBackend, KVCacheSpec, attach_shared, get_backend, publish_shared
+from tests.examples import load_example
 
 pytestmark = pytest.mark.cuda
 
@@ -129,11 +127,7 @@ def test_cuda_caches_shared_through_ipc(gpu) -> None:
 
 
 def test_tiny_model_on_the_gpu_matches_without_caching(gpu) -> None:
-    path = Path(__file__).resolve().parent.parent / "examples" / "tiny_model.py"
-    spec = importlib.util.spec_from_file_location("tiny_model_cuda", path)
-    tiny = importlib.util.module_from_spec(spec)
-    sys.modules["tiny_model_cuda"] = tiny
-    spec.loader.exec_module(tiny)
+    tiny = load_example("tiny_model", "tiny_model_cuda")
     model = tiny.TinyModel()
     prompts = tiny.shared_prefix_prompts()
     plain_cpu = tiny.generate(model, prompts, caching=False)

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,16 +31,9 @@ import torch
 from kvblocks import CachedTokens, DecodeManager, PrefillHandoff, PrefillManager, RequestUsage
 from kvblocks.backends.registry import get_backend
 from tests.conftest import manager_snapshot
+from tests.examples import load_example
 
-_NAME = "tiny_model"
-if _NAME in sys.modules:  # tests/test_tiny_model_e2e.py may have loaded it already
-    tiny = sys.modules[_NAME]
-else:
-    _PATH = Path(__file__).resolve().parent.parent / "examples" / "tiny_model.py"
-    _spec = importlib.util.spec_from_file_location(_NAME, _PATH)
-    tiny = importlib.util.module_from_spec(_spec)
-    sys.modules[_NAME] = tiny  # dataclasses look their module up while the file executes
-    _spec.loader.exec_module(tiny)
+tiny = load_example("tiny_model")
 
 MODEL = tiny.TinyModel()
 SHARED = tiny.shared_prefix_prompts()

@@ -8,20 +8,13 @@ proves kvblocks manages real KV, not just ids.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from kvblocks.backends import CPUBackend
+from tests.examples import load_example
 
-_PATH = Path(__file__).resolve().parent.parent / "examples" / "tiny_model.py"
-_spec = importlib.util.spec_from_file_location("tiny_model", _PATH)
-tiny = importlib.util.module_from_spec(_spec)
-sys.modules["tiny_model"] = tiny
-_spec.loader.exec_module(tiny)
+tiny = load_example("tiny_model")
 
 MODEL = tiny.TinyModel()
 PROMPTS = tiny.shared_prefix_prompts()

@@ -22,9 +22,7 @@ whose copies must run before the blocks are overwritten), commit, decode, free.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,15 +36,9 @@ from kvblocks.tiers import EntryFormat, FileStorage, LoadResult, TierConfig, Tie
 from kvblocks.tiers.entry import HEADER, block_key, namespace_tag
 from kvblocks.tiers.executor import TransferExecutor
 from kvblocks.tiers.transfers import TransferPlan
+from tests.examples import load_example
 
-if "tiny_model" in sys.modules:  # test_tiny_model_e2e loaded it in this session: share its classes
-    tiny = sys.modules["tiny_model"]
-else:
-    _PATH = Path(__file__).resolve().parent.parent / "examples" / "tiny_model.py"
-    _spec = importlib.util.spec_from_file_location("tiny_model", _PATH)
-    tiny = importlib.util.module_from_spec(_spec)
-    sys.modules["tiny_model"] = tiny
-    _spec.loader.exec_module(tiny)
+tiny = load_example("tiny_model")
 
 MODEL = tiny.TinyModel()
 PROMPTS = tiny.shared_prefix_prompts()

@@ -158,14 +158,14 @@ class TieredKVCacheManager(KVCacheManager):
         enable_prefix_caching: bool = True,
         event_sink: EventSink | None = None,
     ) -> None:
-        config = CacheConfig(
-            num_blocks=num_blocks,
-            block_size=block_size,
+        super().__init__(
+            num_blocks,
+            block_size,
             hash_scheme=hash_scheme,
             namespace=namespace,
             enable_prefix_caching=enable_prefix_caching,
+            event_sink=event_sink,
         )
-        self._setup(config, event_sink)
         self._setup_tiers(tiers)
 
     @classmethod

@@ -476,9 +476,8 @@ class DecodeManager(KVCacheManager):
         prompt = content.num_tokens
         if prompt != handoff.num_prompt_tokens or tuple(content.hashes) != handoff.block_hashes:
             raise HandoffError(f"handoff {seq_id!r} does not describe these prompt tokens (length or block hashes)")
-        matched = (
-            self._tree.matched_blocks(content.hashes, (prompt - 1) // size) if self._caching else []
-        )  # the prefill node's last-token rule: the same prefix reports the same number on both nodes
+        s = _Sequence(content)  # registered only if the handoff is accepted
+        matched = self._match(s)  # the prefill node's last-token rule: a prefix reports the same number on both
         hits = len(matched)
         total = math.ceil(prompt / size)
         need = total - hits
@@ -487,7 +486,6 @@ class DecodeManager(KVCacheManager):
         if need + reserve > pool.num_free - pool.count_idle(matched):
             self.decode_counters.handoffs_refused += 1
             return None
-        s = _Sequence(content)
         self._seqs[seq_id] = s
         self._freed.pop(seq_id, None)
         if hits:

@@ -277,10 +277,7 @@ class KVCacheManager:
         The last token is never counted: the engine must compute it to get logits.
         """
         s = self._get(seq_id)
-        content = s.content
-        limit = (content.num_tokens - 1) // self._block_size
-        n = self._tree.match_length(content.hashes, limit) if self._caching else 0
-        return CachedTokens(device=n * self._block_size, num_prompt_tokens=content.num_tokens)
+        return CachedTokens(device=self._match_length(s) * self._block_size, num_prompt_tokens=s.content.num_tokens)
 
     def blocks_short(self, seq_id: Hashable, num_new_tokens: int) -> int:
         """How many blocks ``allocate(seq_id, num_new_tokens)`` would lack now (0: it would succeed). Pure."""
@@ -371,11 +368,22 @@ class KVCacheManager:
         self._counters.record(cached, readmission=s.preempted)
         return s.view
 
+    def _cacheable_blocks(self, num_tokens: int) -> int:
+        """Full blocks a prefix hit may cover: never the one holding the last token, whose logits are needed."""
+        return (num_tokens - 1) // self._block_size
+
+    def _match_length(self, s: _Sequence) -> int:
+        """How many leading blocks of ``s`` the tree holds now (the device hit). Pure."""
+        if not self._caching:
+            return 0
+        content = s.content
+        return self._tree.match_length(content.hashes, self._cacheable_blocks(content.num_tokens))
+
     def _match(self, s: _Sequence) -> list[int]:
         if not self._caching:
             return []
         content = s.content
-        return self._tree.matched_blocks(content.hashes, (content.num_tokens - 1) // self._block_size)
+        return self._tree.matched_blocks(content.hashes, self._cacheable_blocks(content.num_tokens))
 
     def _take(self, count: int) -> list[int]:
         pool = self._pool

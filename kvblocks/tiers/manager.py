@@ -241,18 +241,18 @@ class TieredKVCacheManager(KVCacheManager):
         super().add_sequence(seq_id, token_ids, extras=extras, block_hashes=block_hashes, num_tokens=num_tokens)
         storage = self._storage
         if storage is not None and self._caching:
-            content = self._seqs[seq_id].content
-            limit = (content.num_tokens - 1) // self._block_size
-            start = self._tree.match_length(content.hashes, limit)
+            s = self._seqs[seq_id]
+            limit = self._cacheable_blocks(s.content.num_tokens)
+            start = self._match_length(s)
             if start < limit:
-                storage.probe(content.hashes[start:limit])
+                storage.probe(s.content.hashes[start:limit])
 
     def _tier_runs(self, s: _Sequence, device: int) -> tuple[list[int], int]:
         """Host blocks for the run after the device prefix, and the storage run after that. Pure."""
         if not self._caching:
             return [], 0
         content = s.content
-        limit = (content.num_tokens - 1) // self._block_size
+        limit = self._cacheable_blocks(content.num_tokens)
         hashes = content.hashes
         host_blocks = self._host.run(hashes, device, limit) if self._host is not None else []
         start = device + len(host_blocks)
@@ -262,15 +262,14 @@ class TieredKVCacheManager(KVCacheManager):
     def lookup(self, seq_id: Hashable) -> CachedTokens:
         """Cached leading tokens per tier. Pure: no references, no eviction, no statistics, no I/O."""
         s = self._get(seq_id)
-        content = s.content
         size = self._block_size
-        device = self._tree.match_length(content.hashes, (content.num_tokens - 1) // size) if self._caching else 0
+        device = self._match_length(s)
         host_blocks, stored = self._tier_runs(s, device)
         return CachedTokens(
             device=device * size,
             host=len(host_blocks) * size,
             storage=stored * size,
-            num_prompt_tokens=content.num_tokens,
+            num_prompt_tokens=s.content.num_tokens,
         )
 
     def blocks_short(self, seq_id: Hashable, num_new_tokens: int) -> int:

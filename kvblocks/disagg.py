@@ -35,8 +35,6 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import xxhash
-
 from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
 from kvblocks.errors import (
@@ -65,11 +63,6 @@ __all__ = [
 
 ROLES = ("mixed", "prefill", "decode")
 HANDOFF_VERSION = 1
-
-
-def key_space_tag(namespace: Namespace | str, scheme: str, block_size: int) -> str:
-    """16 hex digits naming the hash key space (scheme, namespace, block size) without revealing a salt."""
-    return f"{xxhash.xxh3_64_intdigest(Namespace.of(namespace).root_material(scheme, block_size)):016x}"
 
 
 @dataclass(frozen=True)
@@ -248,7 +241,7 @@ class PrefillManager(KVCacheManager):
 
     def _setup(self, config: CacheConfig, event_sink: EventSink | None) -> None:
         super()._setup(config, event_sink)
-        self._key_space = key_space_tag(config.namespace, config.hash_scheme, config.block_size)
+        self._key_space = Namespace.of(config.namespace).tag(config.hash_scheme, config.block_size)
         self._first_cached: dict[Hashable, CachedTokens] = {}
         self._transferring: dict[Hashable, PrefillHandoff] = {}
 
@@ -429,7 +422,7 @@ class DecodeManager(KVCacheManager):
             raise ConfigError(f"a DecodeManager runs in the decode role, not {disagg.role!r}")
         self._reserve_per_sequence = disagg.reserve_blocks_per_sequence
         config = self.config
-        self._key_space = key_space_tag(config.namespace, config.hash_scheme, config.block_size)
+        self._key_space = Namespace.of(config.namespace).tag(config.hash_scheme, config.block_size)
         self._receiving: set[Hashable] = set()
         self._usage: dict[Hashable, CachedTokens] = {}
         self.decode_counters = DecodeCounters()

@@ -334,6 +334,13 @@ class Namespace:
             parts.append(_frame(_TAG_ROOT_SALT, _as_bytes(self.salt, "namespace salt")))
         return b"".join(parts)
 
+    def tag(self, scheme: str, block_size: int) -> str:
+        """16 hex digits naming the key space (this namespace, scheme and block size) without revealing a salt.
+
+        Storage keys and prefill/decode handoffs carry it, so hashes are never read in another key space.
+        """
+        return f"{xxhash.xxh3_64_intdigest(self.root_material(scheme, block_size)):016x}"
+
 
 # --------------------------------------------------------------------------- schemes
 

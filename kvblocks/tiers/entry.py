@@ -39,8 +39,7 @@ _KEY = re.compile(r"^[a-z0-9][a-z0-9.\-]{0,250}$")
 
 def namespace_tag(namespace: str | Namespace, scheme: str, block_size: int) -> str:
     """16 hex digits naming a key space: the namespace, scheme and block size that produced the hashes."""
-    material = Namespace.of(namespace).root_material(scheme, block_size)
-    return f"{xxhash.xxh3_64_intdigest(material):016x}"
+    return Namespace.of(namespace).tag(scheme, block_size)
 
 
 def block_key(tag: str, scheme: str, block_hash: BlockHash, rank: int | None = None) -> str:

@@ -43,10 +43,19 @@ from kvblocks.errors import (
     HandoffError,
     IntegrityError,
     InvalidArgumentError,
+    InvalidBlockHashError,
     SequenceStateError,
 )
 from kvblocks.events import EventSink
-from kvblocks.hashing import DEFAULT_SCHEME, BlockExtras, BlockHash, HashedTokens, Namespace
+from kvblocks.hashing import (
+    DEFAULT_SCHEME,
+    BlockExtras,
+    BlockHash,
+    HashedTokens,
+    Namespace,
+    hashes_from_json,
+    hashes_to_json,
+)
 from kvblocks.manager import BlockTable, KVCacheManager, _Sequence
 
 __all__ = [
@@ -92,35 +101,11 @@ class DisaggConfig:
 # ---------------------------------------------------------------------------------------------- handoff
 
 
-def _hashes_to_json(hashes: tuple[BlockHash, ...]) -> dict[str, Any]:
-    """One hex string for byte hashes (all of one width within a scheme), a list for int hashes."""
-    if hashes and isinstance(hashes[0], bytes):
-        width = len(hashes[0])
-        if any(not isinstance(h, bytes) or len(h) != width for h in hashes):
-            raise HandoffError("a handoff's block hashes must all be bytes of one width, or all ints")
-        return {"kind": "bytes", "width": width, "hex": b"".join(hashes).hex()}  # type: ignore[arg-type]
-    return {"kind": "int", "values": list(hashes)}
-
-
 def _hashes_from_json(raw: object) -> tuple[BlockHash, ...]:
-    if not isinstance(raw, dict):
-        raise HandoffError("malformed block hashes in handoff")
-    kind = raw.get("kind")
-    if kind == "int":
-        values = raw.get("values")
-        if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
-            raise HandoffError("malformed int block hashes in handoff")
-        return tuple(values)
-    width = raw.get("width")
-    if kind != "bytes" or type(width) is not int or width <= 0 or not isinstance(raw.get("hex"), str):
-        raise HandoffError("malformed block hashes in handoff")
     try:
-        packed = bytes.fromhex(raw["hex"])
-    except ValueError:
-        raise HandoffError("malformed block hashes in handoff: not hex") from None
-    if len(packed) % width:
-        raise HandoffError("malformed block hashes in handoff: length is not a multiple of the width")
-    return tuple(packed[k : k + width] for k in range(0, len(packed), width))
+        return hashes_from_json(raw)
+    except InvalidBlockHashError as e:
+        raise HandoffError(f"{e} in handoff") from None
 
 
 @dataclass(frozen=True)
@@ -147,7 +132,7 @@ class PrefillHandoff:
                 "version": self.version,
                 "seq_id": self.seq_id,
                 "num_prompt_tokens": self.num_prompt_tokens,
-                "block_hashes": _hashes_to_json(self.block_hashes),
+                "block_hashes": hashes_to_json(self.block_hashes),
                 "source_blocks": list(self.source_blocks),
                 "cached": [self.cached.device, self.cached.host, self.cached.storage],
                 "scheme": self.scheme,

@@ -48,7 +48,7 @@ from kvblocks.errors import (
     InvalidBlockHashError,
     InvalidTokenError,
 )
-from kvblocks.hashing import BlockHash
+from kvblocks.hashing import BlockHash, hash_from_json, hash_to_json, hashes_from_json, hashes_to_json
 
 if TYPE_CHECKING:
     from kvblocks.event_transport import EventTransport
@@ -201,52 +201,18 @@ def _is_count(value: object) -> bool:
     return type(value) is int and value >= 0
 
 
-def _hash_to_json(h: object) -> int | str:
-    if type(h) is int and h >= 0:
-        return h
-    if type(h) is bytes and h:
-        return h.hex()
-    raise InvalidBlockHashError(f"cannot encode block hash {h!r}: not an int >= 0 or non-empty bytes")
-
-
-def _hashes_to_json(hashes: tuple[BlockHash, ...]) -> str | list[int | str]:
-    """``"W:HEX"`` for bytes hashes of one width W (all of a chain are); else a list of ints / hex strings."""
-    if hashes and type(hashes[0]) is bytes:
-        width = len(hashes[0])
-        if width and all(type(h) is bytes and len(h) == width for h in hashes):
-            return f"{width}:{b''.join(hashes).hex()}"  # type: ignore[arg-type]
-    return [_hash_to_json(h) for h in hashes]
-
-
 def _hash_from_json(raw: object) -> BlockHash:
-    if type(raw) is int and raw >= 0:
-        return raw
-    if type(raw) is str and raw:
-        try:
-            h = bytes.fromhex(raw)
-        except ValueError:
-            pass
-        else:
-            if 2 * len(h) == len(raw):  # fromhex skips whitespace: refuse it
-                return h
-    raise EventDecodeError(f"malformed block hash {raw!r} in event batch")
+    try:
+        return hash_from_json(raw)
+    except InvalidBlockHashError as e:
+        raise EventDecodeError(f"{e} in event batch") from None
 
 
 def _hashes_from_json(raw: object) -> tuple[BlockHash, ...]:
-    if type(raw) is list:
-        return tuple(_hash_from_json(h) for h in raw)
-    if type(raw) is str:
-        width, _, hexed = raw.partition(":")
-        w = int(width) if width.isascii() and width.isdigit() else 0
-        if w > 0 and hexed.isascii() and len(hexed) % (2 * w) == 0:
-            try:
-                packed = bytes.fromhex(hexed)
-            except ValueError:
-                pass
-            else:
-                if 2 * len(packed) == len(hexed):  # fromhex skips whitespace: refuse it
-                    return tuple(packed[k : k + w] for k in range(0, len(packed), w))
-    raise EventDecodeError(f"malformed block hashes {raw!r} in event batch")
+    try:
+        return hashes_from_json(raw)
+    except InvalidBlockHashError as e:
+        raise EventDecodeError(f"{e} in event batch") from None
 
 
 def _event_to_json(event: KVEvent) -> list[Any]:
@@ -255,8 +221,8 @@ def _event_to_json(event: KVEvent) -> list[Any]:
     if type(event.tier) is not str:
         raise InvalidArgumentError(f"an event's tier must be a str, got {event.tier!r}")
     if isinstance(event, BlockStored):
-        parent = None if event.parent_hash is None else _hash_to_json(event.parent_hash)
-        out: list[Any] = ["S", event.tier, _hashes_to_json(event.block_hashes), parent]
+        parent = None if event.parent_hash is None else hash_to_json(event.parent_hash)
+        out: list[Any] = ["S", event.tier, hashes_to_json(event.block_hashes), parent]
         if event.token_ids is not None:
             tokens = list(event.token_ids)
             if not all(_is_count(t) for t in tokens):
@@ -264,7 +230,7 @@ def _event_to_json(event: KVEvent) -> list[Any]:
             out.append(tokens)
         return out
     if isinstance(event, BlockRemoved):
-        return ["R", event.tier, _hashes_to_json(event.block_hashes)]
+        return ["R", event.tier, hashes_to_json(event.block_hashes)]
     return ["C", event.tier]
 
 

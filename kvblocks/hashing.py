@@ -68,6 +68,10 @@ __all__ = [
     "block_hashes",
     "blocks_overlapping",
     "get_scheme",
+    "hash_from_json",
+    "hash_to_json",
+    "hashes_from_json",
+    "hashes_to_json",
     "pack_tokens",
     "validate_block_hashes",
 ]
@@ -608,3 +612,61 @@ def _hasher(block_size: int, scheme: str, namespace: str | Namespace) -> BlockHa
 @lru_cache(maxsize=256)
 def _namespace_of_model(model: str) -> Namespace:
     return Namespace(model=model)
+
+
+# --------------------------------------------------------------------------- JSON form of block hashes
+
+
+def hash_to_json(h: object) -> int | str:
+    """An int hash as itself, a bytes hash as hex."""
+    if type(h) is int and h >= 0:
+        return h
+    if type(h) is bytes and h:
+        return h.hex()
+    raise InvalidBlockHashError(f"cannot encode block hash {h!r}: not an int >= 0 or non-empty bytes")
+
+
+def hashes_to_json(hashes: Sequence[BlockHash]) -> str | list[int | str]:
+    """``"W:HEX"`` for bytes hashes of one width W (all of a chain are); else a list of ints / hex strings.
+
+    >>> hashes_to_json([b"\\x01\\x02", b"\\x03\\x04"]), hashes_to_json([7, 8])
+    ('2:01020304', [7, 8])
+    """
+    if hashes and type(hashes[0]) is bytes:
+        width = len(hashes[0])
+        if width and all(type(h) is bytes and len(h) == width for h in hashes):
+            return f"{width}:{b''.join(hashes).hex()}"  # type: ignore[arg-type]
+    return [hash_to_json(h) for h in hashes]
+
+
+def hash_from_json(raw: object) -> BlockHash:
+    """The inverse of :func:`hash_to_json`; anything else raises :class:`InvalidBlockHashError`."""
+    if type(raw) is int and raw >= 0:
+        return raw
+    if type(raw) is str and raw:
+        try:
+            h = bytes.fromhex(raw)
+        except ValueError:
+            pass
+        else:
+            if 2 * len(h) == len(raw):  # fromhex skips whitespace: refuse it
+                return h
+    raise InvalidBlockHashError(f"malformed block hash {raw!r}")
+
+
+def hashes_from_json(raw: object) -> tuple[BlockHash, ...]:
+    """The inverse of :func:`hashes_to_json`; anything else raises :class:`InvalidBlockHashError`."""
+    if type(raw) is list:
+        return tuple(hash_from_json(h) for h in raw)
+    if type(raw) is str:
+        width, _, hexed = raw.partition(":")
+        w = int(width) if width.isascii() and width.isdigit() else 0
+        if w > 0 and hexed.isascii() and len(hexed) % (2 * w) == 0:
+            try:
+                packed = bytes.fromhex(hexed)
+            except ValueError:
+                pass
+            else:
+                if 2 * len(packed) == len(hexed):  # fromhex skips whitespace: refuse it
+                    return tuple(packed[k : k + w] for k in range(0, len(packed), w))
+    raise InvalidBlockHashError(f"malformed block hashes {raw!r}")

@@ -488,21 +488,21 @@ class Router:
         self._routes_since_decay = 0
         for w in self._workers.values():
             w.evicted_recently /= 2
-            w.version += 1
-        self._heap = [(self._base(w), w.running + w.inflight, w.order, w.version, w) for w in self._workers.values()]
-        heapq.heapify(self._heap)
+        self._rebuild_heap()
+
+    def _heap_entry(self, w: _Worker) -> tuple[float, int, int, int, _Worker]:
+        w.version += 1  # older entries of w are stale from now on
+        return (self._base(w), w.running + w.inflight, w.order, w.version, w)
 
     def _push(self, w: _Worker) -> None:
-        w.version += 1
-        heap = self._heap
-        heapq.heappush(heap, (self._base(w), w.running + w.inflight, w.order, w.version, w))
-        if len(heap) > 4 * len(self._workers) + 64:
-            self._heap = [
-                (self._base(x), x.running + x.inflight, x.order, x.version, x)
-                for x in self._workers.values()
-                if not x.draining
-            ]
-            heapq.heapify(self._heap)
+        heapq.heappush(self._heap, self._heap_entry(w))
+        if len(self._heap) > 4 * len(self._workers) + 64:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        """One current entry per healthy worker (drops the stale ones)."""
+        self._heap = [self._heap_entry(w) for w in self._workers.values() if not w.draining]
+        heapq.heapify(self._heap)
 
     def _least_loaded(self) -> tuple[float, int, int, int, _Worker] | None:
         heap = self._heap

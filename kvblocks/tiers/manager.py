@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Hashable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass
 
 from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
@@ -645,7 +645,7 @@ class TieredKVCacheManager(KVCacheManager):
     def tier_stats(self) -> TierStats:
         host = self._host
         storage = self._storage
-        counts = {f.name: getattr(self._counts, f.name) for f in fields(self._counts)}
+        counts = asdict(self._counts)
         return TierStats(
             host_blocks=host.pool.num_blocks if host is not None else 0,
             host_blocks_cached=len(host) if host is not None else 0,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from kvblocks.errors import ConfigError
@@ -41,7 +41,7 @@ class StorageStats:
     evictions: int = 0
 
     def snapshot(self) -> StorageStats:
-        return StorageStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+        return replace(self)
 
 
 @runtime_checkable

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvblocks.errors import InvalidArgumentError
@@ -62,7 +62,7 @@ class StorageTierStats:
     probes_dropped: int = 0
 
     def snapshot(self) -> StorageTierStats:
-        return StorageTierStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+        return replace(self)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvblocks.errors import ConfigError, InvalidArgumentError, SequenceStateError
@@ -68,7 +68,7 @@ class WriterStats:
     batches: int = 0  # put() calls made
 
     def snapshot(self) -> WriterStats:
-        return WriterStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+        return replace(self)
 
 
 @dataclass(frozen=True, slots=True)

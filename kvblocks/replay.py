@@ -226,8 +226,7 @@ def _settle(m: Any, seq: int, num_tokens: int, running: Any, managers: list[Any]
     read left to compute."""
     deadline = time.monotonic() + 30
     while True:
-        plan = m.take_transfers()
-        m.complete_transfers(plan, saved=[b"\0"] * len(plan.saves) if plan.saves else None)
+        _run_plan(m)
         m.poll_loads()
         if m.is_ready(seq):
             break
@@ -239,6 +238,11 @@ def _settle(m: Any, seq: int, num_tokens: int, running: Any, managers: list[Any]
         return
     while m.allocate(seq, num_tokens - m.num_computed_tokens(seq)) is None:  # a read fell short
         _finish_oldest(running, managers, w)
+    _run_plan(m)
+
+
+def _run_plan(m: Any) -> None:
+    """Take the step's copies and report them done; the replay moves no data, so saves carry one byte."""
     plan = m.take_transfers()
     m.complete_transfers(plan, saved=[b"\0"] * len(plan.saves) if plan.saves else None)
 

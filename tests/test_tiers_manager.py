@@ -636,3 +636,18 @@ def test_reads_of_freed_admissions_are_skipped_not_queued_behind(make) -> None:
     (*_, result) = sim.wait_ready("b")
     assert not result.timed_out and len(result.blocks) == 5  # 40 x 20 ms of stale reads would outlast 0.5 s
     assert m.tier_stats.storage.loads_cancelled >= 5 * 35 and m.tier_stats.storage.load_timeouts == 0
+
+
+def test_preempted_blocks_stay_held_when_their_save_was_already_planned(make) -> None:
+    storage = MemoryStorage()
+    m = make(5, storage=storage, storage_policy="write-through", save_on_preempt=True)
+    m.add_sequence("a", A)
+    table = list(m.allocate("a", 17))
+    m.commit("a", 17)  # write-through: the 4 full blocks are queued in the open plan already
+    m.preempt("a")
+    assert [m.pool.ref_count(b) for b in table] == [1] * 5  # held until that plan has saved them
+    plan = m.take_transfers()
+    assert [s.block for s in plan.saves] == table[:4]
+    m.complete_transfers(plan, saved=[content_of(h) for h in m.block_hashes("a")])
+    assert [m.pool.ref_count(b) for b in table] == [0] * 5
+    m.check_integrity()

@@ -379,13 +379,15 @@ class TieredKVCacheManager(KVCacheManager):
         return True
 
     def _plan_save(self, tier: str, block: int, block_hash: BlockHash) -> bool:
+        """Queue ``block`` for storage in the open plan unless it is known stored; True if the open plan saves it."""
         storage = self._storage
         plan = self._open
-        if storage is None or storage.is_known(block_hash) or block_hash in plan.queued:
+        if storage is None or storage.is_known(block_hash):
             return False
-        plan.saves.append(BlockSave(tier, block, block_hash))
-        plan.queued.add(block_hash)
-        self._counts.saves_planned += 1
+        if block_hash not in plan.queued:
+            plan.saves.append(BlockSave(tier, block, block_hash))
+            plan.queued.add(block_hash)
+            self._counts.saves_planned += 1
         return True
 
     # ------------------------------------------------------------------ commit, free, preempt
@@ -426,13 +428,13 @@ class TieredKVCacheManager(KVCacheManager):
         for storage, and the sequence's blocks stay held until the plan that saves them completes."""
         s = self._get(seq_id)
         if self._save_on_preempt and s.table is not None and id(s) not in self._admissions and self._caching:
-            before = len(self._open.saves)
             pins = s.pins or {}
             table = s.table
             hashes = s.content.hashes
+            saving = False
             for position in range(s.num_committed // self._block_size):
-                self._plan_save("device", pins.get(position, table[position]), hashes[position])
-            if len(self._open.saves) > before:
+                saving |= self._plan_save("device", pins.get(position, table[position]), hashes[position])
+            if saving:  # the blocks stay held until the plan that saves them completes
                 self._hold_for = s
         try:
             super().preempt(seq_id)

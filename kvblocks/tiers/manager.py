@@ -574,7 +574,7 @@ class TieredKVCacheManager(KVCacheManager):
                 del self._loads[request]
                 storage.cancel(request)
                 storage.note_timeout(admission.num_loads)
-                results.append(self._loaded(admission, LoadOutcome((), admission.num_loads), timed_out=True))
+                results.append(self._loaded(admission, LoadOutcome(()), timed_out=True))
         return results
 
     def _loaded(self, admission: _Admission, outcome: LoadOutcome, *, timed_out: bool) -> LoadResult:

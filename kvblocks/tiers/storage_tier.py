@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvblocks.errors import InvalidArgumentError
+from kvblocks.errors import ConfigError, InvalidArgumentError
 from kvblocks.hashing import BlockHash, Namespace
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.entry import EntryFormat, block_key, namespace_tag
@@ -70,7 +70,6 @@ class LoadOutcome:
     """What a read found: payloads of the usable leading run (one per rank per block)."""
 
     payloads: tuple[tuple[Payload, ...], ...]
-    requested: int
 
 
 @dataclass
@@ -86,7 +85,7 @@ class StorageTier:
 
     def __init__(self, config: TierConfig, namespace: Namespace, scheme: str, block_size: int) -> None:
         if config.storage is None or config.entry_format is None:
-            raise ValueError("StorageTier needs a TierConfig with storage and entry_format")
+            raise ConfigError("StorageTier needs a TierConfig with storage and entry_format")
         self.backend: StorageBackend = config.storage
         self.format: EntryFormat = config.entry_format
         self.timeout_s = float(config.storage_timeout_s)
@@ -266,7 +265,7 @@ class StorageTier:
                 _log.exception("storage read failed")
                 self.stats.load_errors += len(request.hashes) if request.load else 0
                 if request.load:
-                    self._results.put((request.id, LoadOutcome((), len(request.hashes))))
+                    self._results.put((request.id, LoadOutcome(())))
             self._healthy = True
             with self._progress:
                 self._answered += 1
@@ -321,7 +320,7 @@ class StorageTier:
         stats.loads_incompatible += foreign
         stats.loads_corrupt += len(corrupt)
         stats.loads_beyond_a_miss += max(0, len(hashes) - usable - 1)
-        return LoadOutcome(tuple(decoded), len(hashes))
+        return LoadOutcome(tuple(decoded))
 
     def _probe(self, hashes: tuple[BlockHash, ...]) -> None:
         with self._lock:

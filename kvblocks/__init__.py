@@ -20,6 +20,8 @@ from kvblocks.disagg import (
     PrefillHandoff,
     PrefillManager,
     RequestUsage,
+    TieredDecodeManager,
+    TieredPrefillManager,
     manager_for_role,
 )
 from kvblocks.errors import (
@@ -83,6 +85,8 @@ __all__ = [
     "PrefillHandoff",
     "DecodeAdmission",
     "RequestUsage",
+    "TieredDecodeManager",
+    "TieredPrefillManager",
     "manager_for_role",
     # accounting
     "CachedTokens",

@@ -57,6 +57,8 @@ from kvblocks.hashing import (
     hashes_to_json,
 )
 from kvblocks.manager import BlockTable, KVCacheManager, _Sequence
+from kvblocks.tiers.config import TierConfig
+from kvblocks.tiers.manager import TieredKVCacheManager
 
 __all__ = [
     "HANDOFF_VERSION",
@@ -67,6 +69,8 @@ __all__ = [
     "PrefillHandoff",
     "PrefillManager",
     "RequestUsage",
+    "TieredDecodeManager",
+    "TieredPrefillManager",
     "manager_for_role",
 ]
 
@@ -231,15 +235,15 @@ class PrefillManager(KVCacheManager):
         self._transferring: dict[Hashable, PrefillHandoff] = {}
 
     def allocate(self, seq_id: Hashable, num_new_tokens: int) -> BlockTable | None:
-        s = self._get(seq_id)
+        self._get(seq_id)
         if seq_id in self._transferring:
             raise SequenceStateError(f"sequence {seq_id!r} was handed off; it cannot grow here")
-        admitting = s.table is None
-        table = super().allocate(seq_id, num_new_tokens)
-        if admitting and table is not None and seq_id not in self._first_cached:
-            # the first admission's hits are the request's; a re-admission would count its own blocks
-            self._first_cached[seq_id] = CachedTokens(device=s.num_committed, num_prompt_tokens=s.content.num_tokens)
-        return table
+        return super().allocate(seq_id, num_new_tokens)
+
+    def _admitted(self, seq_id: Hashable, cached: CachedTokens, readmission: bool) -> None:
+        super()._admitted(seq_id, cached, readmission)
+        # the first admission's hits are the request's; a re-admission would count its own blocks
+        self._first_cached.setdefault(seq_id, cached)
 
     def commit(self, seq_id: Hashable, num_computed_tokens: int) -> None:
         if seq_id in self._transferring:
@@ -287,14 +291,14 @@ class PrefillManager(KVCacheManager):
             self._get(seq_id)  # unknown -> UnknownSequenceError
             raise SequenceStateError(f"sequence {seq_id!r} is not being transferred")
         del self._transferring[seq_id]
-        self._first_cached.pop(seq_id, None)
         super().free(seq_id)
+        self._first_cached.pop(seq_id, None)
 
     def free(self, seq_id: Hashable) -> None:
         if seq_id in self._transferring:
             raise SequenceStateError(f"sequence {seq_id!r} is being transferred to decode: call transfer_done")
+        super().free(seq_id)  # may settle a pending tiered admission, which reports its hits first
         self._first_cached.pop(seq_id, None)
-        super().free(seq_id)
 
     def preempt(self, seq_id: Hashable) -> None:
         if seq_id in self._transferring:
@@ -545,13 +549,100 @@ class DecodeManager(KVCacheManager):
                 raise IntegrityError(f"usage of {seq_id!r} is inconsistent")
 
 
+# ---------------------------------------------------------------------------------------------- roles over tiers
+
+
+class TieredPrefillManager(PrefillManager, TieredKVCacheManager):
+    """The prefill role over host and storage tiers.
+
+    Admissions find their prefix on device, in host memory or in storage exactly as on a
+    tiered mixed node; the handoff reports the hits as they *settled* (a storage read that
+    found fewer blocks than the index promised reports the shorter run), split by tier.
+    Blocks being handed off stay held, and are freed into the tiers by ``transfer_done``.
+
+    >>> from kvblocks.tiers import TierConfig
+    >>> p = TieredPrefillManager(3, 4, tiers=TierConfig(num_host_blocks=4))
+    >>> p.add_sequence("a", list(range(9))); _ = p.allocate("a", 9); p.commit("a", 9)
+    >>> p.transfer_done(p.finish_prefill("a").seq_id)                # a's blocks stay cached on device
+    >>> p.add_sequence("b", list(range(50, 59))); _ = p.allocate("b", 9)  # evicts them: copied to host
+    >>> p.complete_transfers(p.take_transfers()); p.free("b")
+    >>> p.add_sequence("c", list(range(9))); t = p.allocate("c", 1)  # a's prefix comes back from host
+    >>> p.complete_transfers(p.take_transfers()); p.commit("c", 9)
+    >>> p.finish_prefill("c").cached
+    CachedTokens(device=0, host=8, storage=0, num_prompt_tokens=9)
+    """
+
+
+class TieredDecodeManager(DecodeManager, TieredKVCacheManager):
+    """The decode role over host and storage tiers.
+
+    Handoffs are matched against the device prefix cache only (host and storage runs are
+    for this node's own re-admissions). What the node decodes goes down the tiers like on
+    any tiered node: evicted blocks are written back, ``write-through`` stores each block
+    on commit -- so the next turn of a conversation, prefilled on another node, can load
+    the whole history from shared storage -- and ``save_on_preempt`` lets a preempted
+    sequence come back from storage instead of being recomputed.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        tiers: TierConfig,
+        reserve_blocks_per_sequence: int = 1,
+        hash_scheme: str = DEFAULT_SCHEME,
+        namespace: str | Namespace = "default",
+        enable_prefix_caching: bool = True,
+        event_sink: EventSink | None = None,
+    ) -> None:
+        TieredKVCacheManager.__init__(
+            self,
+            num_blocks,
+            block_size,
+            tiers=tiers,
+            hash_scheme=hash_scheme,
+            namespace=namespace,
+            enable_prefix_caching=enable_prefix_caching,
+            event_sink=event_sink,
+        )
+        self._set_role(DisaggConfig(role="decode", reserve_blocks_per_sequence=reserve_blocks_per_sequence))
+
+    @classmethod
+    def from_config(  # type: ignore[override]
+        cls,
+        config: CacheConfig,
+        *,
+        tiers: TierConfig,
+        disagg: DisaggConfig | None = None,
+        event_sink: EventSink | None = None,
+    ) -> TieredDecodeManager:
+        manager = cls.__new__(cls)
+        manager._setup(config, event_sink)
+        manager._setup_tiers(tiers)
+        manager._set_role(disagg or DisaggConfig(role="decode"))
+        return manager
+
+
 # ---------------------------------------------------------------------------------------------- roles
 
 
 def manager_for_role(
-    config: CacheConfig, disagg: DisaggConfig | None = None, *, event_sink: EventSink | None = None
+    config: CacheConfig,
+    disagg: DisaggConfig | None = None,
+    *,
+    tiers: TierConfig | None = None,
+    event_sink: EventSink | None = None,
 ) -> KVCacheManager:
-    """The manager for a node's role: ``KVCacheManager`` (mixed), ``PrefillManager`` or ``DecodeManager``.
+    """The manager for a node's role, over host/storage tiers when ``tiers`` is given.
+
+    ========  ====================  ===========================
+    role      no tiers              tiers
+    ========  ====================  ===========================
+    mixed     ``KVCacheManager``    ``TieredKVCacheManager``
+    prefill   ``PrefillManager``    ``TieredPrefillManager``
+    decode    ``DecodeManager``     ``TieredDecodeManager``
+    ========  ====================  ===========================
 
     >>> type(manager_for_role(CacheConfig(64, 16), DisaggConfig(role="prefill"))).__name__
     'PrefillManager'
@@ -559,8 +650,16 @@ def manager_for_role(
     disagg = disagg or DisaggConfig()
     if not isinstance(disagg, DisaggConfig):
         raise ConfigError(f"disagg must be a DisaggConfig, got {type(disagg).__name__}")
+    if tiers is not None and not isinstance(tiers, TierConfig):
+        raise ConfigError(f"tiers must be a TierConfig or None, got {type(tiers).__name__}")
     if disagg.role == "decode":
+        if tiers is not None:
+            return TieredDecodeManager.from_config(config, tiers=tiers, disagg=disagg, event_sink=event_sink)
         return DecodeManager.from_config(config, disagg=disagg, event_sink=event_sink)
     if disagg.role == "prefill":
+        if tiers is not None:
+            return TieredPrefillManager.from_config(config, tiers=tiers, event_sink=event_sink)
         return PrefillManager.from_config(config, event_sink=event_sink)
+    if tiers is not None:
+        return TieredKVCacheManager.from_config(config, tiers=tiers, event_sink=event_sink)
     return KVCacheManager.from_config(config, event_sink=event_sink)

@@ -336,7 +336,7 @@ class KVCacheManager:
             n = _count_arg(n, "num_new_tokens")
         table = s.table
         if table is None:
-            return self._admit(s, n)
+            return self._admit(seq_id, s, n)
         size = self._block_size
         covered = s.num_covered + n
         need = (covered + size - 1) // size - len(table)
@@ -347,7 +347,7 @@ class KVCacheManager:
         s.num_covered = covered
         return s.view
 
-    def _admit(self, s: _Sequence, n: int) -> BlockTable | None:
+    def _admit(self, seq_id: Hashable, s: _Sequence, n: int) -> BlockTable | None:
         size = self._block_size
         pool = self._pool
         matched = self._match(s)
@@ -364,9 +364,15 @@ class KVCacheManager:
         s.view = BlockTable(matched)
         s.num_covered = covered
         s.num_committed = hits * size
-        cached = CachedTokens(device=hits * size, num_prompt_tokens=s.content.num_tokens)
-        self._counters.record(cached, readmission=s.preempted)
+        self._admitted(seq_id, CachedTokens(device=hits * size, num_prompt_tokens=s.content.num_tokens), s.preempted)
         return s.view
+
+    def _admitted(self, seq_id: Hashable, cached: CachedTokens, readmission: bool) -> None:
+        """An admission's hits are final (at once here; once its copies settle with tiers): count them.
+
+        The one place admissions are counted, so a role can also keep the figure per request.
+        """
+        self._counters.record(cached, readmission=readmission)
 
     def _cacheable_blocks(self, num_tokens: int) -> int:
         """Full blocks a prefix hit may cover: never the one holding the last token, whose logits are needed."""

@@ -319,8 +319,9 @@ class TieredKVCacheManager(KVCacheManager):
         s.num_covered = covered
         s.num_committed = device * size
         if not host_blocks and not num_loads:
-            cached_tokens = CachedTokens(device=device * size, num_prompt_tokens=s.content.num_tokens)
-            self._counters.record(cached_tokens, readmission=s.preempted)
+            self._admitted(
+                seq_id, CachedTokens(device=device * size, num_prompt_tokens=s.content.num_tokens), s.preempted
+            )
             return s.view
         admission = _Admission(seq_id, s, device, host_blocks, num_loads)
         plan = self._open
@@ -463,9 +464,10 @@ class TieredKVCacheManager(KVCacheManager):
         if self._loads.pop(admission.load_request, None) is not None:
             self._storage.cancel(admission.load_request)  # type: ignore[union-attr]
         size = self._block_size
-        self._counters.record(
+        self._admitted(
+            admission.seq_id,
             CachedTokens(device=admission.device * size, num_prompt_tokens=s.content.num_tokens),
-            readmission=admission.readmission,
+            admission.readmission,
         )
         if admission.swaps_ok is not None:
             return None
@@ -600,14 +602,15 @@ class TieredKVCacheManager(KVCacheManager):
         host_ok = admission.swaps_ok
         stored_ok = admission.loads_ok if host_ok == len(admission.host_blocks) else 0
         valid = admission.device + host_ok + stored_ok
-        self._counters.record(
+        self._admitted(
+            admission.seq_id,
             CachedTokens(
                 device=admission.device * size,
                 host=host_ok * size,
                 storage=stored_ok * size,
                 num_prompt_tokens=s.content.num_tokens,
             ),
-            readmission=admission.readmission,
+            admission.readmission,
         )
         table = s.table
         if table is None:

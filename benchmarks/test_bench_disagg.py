@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from kvblocks import DecodeManager, KVCacheManager, PrefillHandoff, PrefillManager
+from kvblocks import DecodeManager, KVCacheManager, PrefillHandoff, PrefillManager, TieredDecodeManager
+from kvblocks.tiers import TierConfig
 
 BLOCK = 16
 PROMPT = [random.Random(11).randrange(50_000) for _ in range(2048)]  # 128 blocks
@@ -28,8 +29,8 @@ def _handoff() -> bytes:
 WIRE = _handoff()
 
 
-def accept_one() -> None:
-    d = DecodeManager(256, BLOCK)
+def accept_one(*, tiered: bool = False) -> None:
+    d = TieredDecodeManager(256, BLOCK, tiers=TierConfig(num_host_blocks=256)) if tiered else DecodeManager(256, BLOCK)
     admission = d.accept_handoff(PrefillHandoff.from_bytes(WIRE), PROMPT)
     assert admission is not None and len(admission.transfers) == 128
     d.receive_done("r")
@@ -42,8 +43,11 @@ def admit_one() -> None:
     m.commit("r", len(PROMPT))
 
 
-@pytest.mark.parametrize("subject", ["accept handoff", "mixed admission"])
+@pytest.mark.parametrize("subject", ["accept handoff", "accept handoff, tiered decode node", "mixed admission"])
 def test_handoff_accept_2k(benchmark, subject: str) -> None:
     benchmark.group = "handoff-2k"
     benchmark.extra_info["subject"] = subject
-    benchmark(accept_one if subject == "accept handoff" else admit_one)
+    if subject == "mixed admission":
+        benchmark(admit_one)
+    else:
+        benchmark(accept_one, tiered=subject.endswith("tiered decode node"))

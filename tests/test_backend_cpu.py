@@ -17,6 +17,15 @@ from kvblocks.errors import ConfigError, InvalidBlockIdError
 BACKEND = CPUBackend()
 
 
+class RunByRunCPU(CPUBackend):
+    """The CPU backend with every block "large": scattered blocks are copied one run at a time."""
+
+    RUN_BY_RUN_MIN_ROW_BYTES = 0
+
+
+BACKENDS = [BACKEND, RunByRunCPU()]
+
+
 def spec_of(**overrides) -> KVCacheSpec:
     fields = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32", "block_size": 4}
     fields.update(overrides)
@@ -152,30 +161,41 @@ def test_gather_then_scatter_moves_exactly_those_blocks(spec: KVCacheSpec, data)
             assert same_block(after, i, before, i)
 
 
+def ids_with_runs(num_blocks: int, count: int, *, unique: bool) -> st.SearchStrategy[list[int]]:
+    """``count`` block ids: scattered, or one run of consecutive ids (the case movement copies as slices)."""
+    scattered = st.lists(st.integers(0, num_blocks - 1), min_size=count, max_size=count, unique=unique)
+    run = st.integers(0, num_blocks - count).map(lambda first: list(range(first, first + count)))
+    return st.one_of(scattered, run)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=["cpu", "run-by-run"])
 @settings(max_examples=60, deadline=None)
 @given(spec=specs, data=st.data())
-def test_copy_blocks_matches_reference_even_when_sets_overlap(spec: KVCacheSpec, data) -> None:
+def test_copy_blocks_matches_reference_even_when_sets_overlap(backend: CPUBackend, spec: KVCacheSpec, data) -> None:
     cache = filled(spec, 10, seed=1)
     before = snapshot(cache)
-    src = data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=5))
-    dst = data.draw(st.lists(st.integers(0, 9), min_size=len(src), max_size=len(src), unique=True))
-    BACKEND.copy_blocks(cache, src, dst)
+    count = data.draw(st.integers(1, 6))
+    src = data.draw(ids_with_runs(10, count, unique=False))
+    dst = data.draw(ids_with_runs(10, count, unique=True))
+    backend.copy_blocks(cache, src, dst)
     after = snapshot(cache)
     for i in range(10):
         expected = src[dst.index(i)] if i in dst else i
         assert same_block(after, i, before, expected)
 
 
+@pytest.mark.parametrize("backend", BACKENDS, ids=["cpu", "run-by-run"])
 @settings(max_examples=40, deadline=None)
 @given(spec=specs, other_major=st.booleans(), data=st.data())
-def test_transfer_between_arrangements(spec: KVCacheSpec, other_major: bool, data) -> None:
+def test_transfer_between_arrangements(backend: CPUBackend, spec: KVCacheSpec, other_major: bool, data) -> None:
     src = filled(spec, 8, seed=2)
     dst_spec = KVCacheSpec(**{**spec.__dict__, "block_major": other_major})
     dst = filled(dst_spec, 8, seed=3)
     src_before, dst_before = snapshot(src), snapshot(dst)
-    source = data.draw(st.lists(st.integers(0, 7), min_size=0, max_size=8))
-    target = data.draw(st.lists(st.integers(0, 7), min_size=len(source), max_size=len(source), unique=True))
-    handle = BACKEND.transfer(src, dst, source, target)
+    count = data.draw(st.integers(0, 8))
+    source = data.draw(ids_with_runs(8, count, unique=False))
+    target = data.draw(ids_with_runs(8, count, unique=True))
+    handle = backend.transfer(src, dst, source, target)
     assert handle.done()
     handle.wait()
     dst_after = snapshot(dst)
@@ -224,6 +244,47 @@ def test_contiguous_ids_move_as_runs() -> None:
     assert torch.equal(payload[:20], cache.storage.view(64, -1)[10:30])
 
 
+@pytest.mark.parametrize("backend", BACKENDS, ids=["cpu", "run-by-run"])
+@pytest.mark.parametrize("block_major", [True, False], ids=["block-major", "layer-major"])
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        (list(range(0, 8)), list(range(1, 9))),  # one run onto itself shifted up: each block read before written
+        (list(range(1, 9)), list(range(0, 8))),  # shifted down
+        ([8, 9, 10, 11, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7]),  # run 2 reads what run 1 writes
+        ([0, 1, 2, 3, 8, 9, 10, 11], [8, 9, 10, 11, 0, 1, 2, 3]),  # a swap of two runs
+    ],
+    ids=["shift-up", "shift-down", "chain", "swap"],
+)
+def test_copy_blocks_with_overlapping_runs_reads_every_block_before_writing(
+    backend: CPUBackend, block_major: bool, src: list[int], dst: list[int]
+) -> None:
+    """Regression: long runs whose sets overlap were copied run by run (torch refused a self-overlapping
+    copy midway; a chain of runs silently copied blocks already overwritten)."""
+    cache = filled(spec_of(block_major=block_major, scale_dtype="float32"), 12, seed=6)
+    before = snapshot(cache)
+    backend.copy_blocks(cache, src, dst)
+    after = snapshot(cache)
+    for i in range(12):
+        assert same_block(after, i, before, src[dst.index(i)] if i in dst else i)
+
+
+def test_large_blocks_move_one_block_at_a_time_small_ones_staged() -> None:
+    """Scattered ids: a copy per block once rows reach RUN_BY_RUN_MIN_ROW_BYTES, else indexed copies."""
+    small = spec_of()
+    large = spec_of(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float32", block_size=16)  # 1 MiB blocks
+    assert large.bytes_per_block >= CPUBackend.RUN_BY_RUN_MIN_ROW_BYTES > small.bytes_per_block
+    for spec, indexed in ((small, True), (large, False)):
+        src, dst = filled(spec, 8, seed=7), filled(spec, 8, seed=8)
+        before = snapshot(src)
+        with mock.patch.object(movement.torch, "index_select", wraps=torch.index_select) as spy:
+            BACKEND.transfer(src, dst, [6, 0, 3], [1, 7, 4])
+            BACKEND.copy_blocks(src, [6, 0, 3], [1, 7, 4])
+        assert (spy.call_count > 0) is indexed
+        for s, d in ((6, 1), (0, 7), (3, 4)):
+            assert same_block(snapshot(dst), d, before, s) and same_block(snapshot(src), d, before, s)
+
+
 def test_runs() -> None:
     assert contiguous_runs([]) == []
     assert contiguous_runs([7]) == [(7, 0, 1)]
@@ -252,6 +313,7 @@ def test_runs() -> None:
         (lambda c: BACKEND.zero(c, [9]), InvalidBlockIdError),
         (lambda c: BACKEND.transfer(c, BACKEND.allocate(spec_of(head_dim=4), 8), [0], [0]), ConfigError),
         (lambda c: BACKEND.transfer(c, c, [0, 1], [2]), ConfigError),
+        (lambda c: BACKEND.transfer(c, c, [0, 1, 2, 3], [1, 2, 3, 4]), ConfigError),  # one cache: copy_blocks
         (lambda c: BACKEND.gather("cache", [0]), ConfigError),
     ],
 )

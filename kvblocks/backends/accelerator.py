@@ -74,6 +74,9 @@ class AcceleratorBackend(TorchBackend):
     def synchronize(self) -> None:
         self.device_module().synchronize(self._device)
 
+    def _run_by_run(self, cache: KVCache) -> bool:
+        return False  # one multi-tensor kernel (_copy_disjoint) beats a launch per block at any size
+
     def _copy_disjoint(self, cache: KVCache, src: Any, dst: Any) -> bool:
         return copy_pairs_batched(cache, cache, src, dst)
 

@@ -137,6 +137,15 @@ class TorchBackend(Backend):
     SCRATCH_BYTES = 4 << 20
     """Size of the reusable staging buffer for same-device copies: a few MiB stay in the CPU's cache."""
 
+    RUN_BY_RUN_MIN_ROW_BYTES = 512 << 10
+    """From this row width on, scattered blocks are copied one run (often one block) at a time.
+
+    One copy per block is a single pass over memory, where staging is two (the second from the
+    CPU's cache); once a block is this large the per-copy cost no longer matters. Measured on a
+    2-core EPYC, paired against a contiguous copy: 512 KiB blocks 0.79 vs 0.67 staged, 2 MiB 0.93
+    vs 0.82; at 256 KiB and below staging wins (64 KiB: 0.65 vs 0.44).
+    """
+
     def __init__(self, device: str | torch.device) -> None:
         self._device = torch.device(device)
         self._scratch_buffer: torch.Tensor | None = None
@@ -201,10 +210,18 @@ class TorchBackend(Backend):
         dst = block_ids(cache, dst_ids, what="destination block ids", distinct=True)
         if len(src) != len(dst):
             raise ConfigError(f"{len(src)} source blocks but {len(dst)} destination blocks")
-        if not len(src) or copy_between(cache, cache, src, dst):
+        if not len(src):
             return
-        if not set(src.values).isdisjoint(dst.values) or not self._copy_disjoint(cache, src, dst):
-            copy_within(cache, src, dst)  # overlapping: read everything before writing anything
+        if set(src.values).isdisjoint(dst.values):  # any order of copies gives the same result
+            if copy_between(cache, cache, src, dst, any_runs=self._run_by_run(cache)):
+                return
+            if self._copy_disjoint(cache, src, dst):
+                return
+        copy_within(cache, src, dst)  # overlapping: read everything before writing anything
+
+    def _run_by_run(self, cache: KVCache) -> bool:
+        """Whether scattered blocks of ``cache`` are best copied one run at a time (large rows)."""
+        return min(rows.shape[1] * rows.element_size() for rows in cache.rows) >= self.RUN_BY_RUN_MIN_ROW_BYTES
 
     def _copy_disjoint(self, cache: KVCache, src: Any, dst: Any) -> bool:
         """Copy between disjoint block sets of one cache; the CPU stages through a cache-sized buffer."""
@@ -223,8 +240,8 @@ class TorchBackend(Backend):
         return self._move(src, dst, source, target, non_blocking=non_blocking)
 
     def _move(self, src: KVCache, dst: KVCache, source: Any, target: Any, *, non_blocking: bool) -> TransferHandle:
-        """Carry out a validated transfer: run by run when the ids pair up, else staged through a payload."""
-        if copy_between(src, dst, source, target):
+        """Carry out a validated transfer: run by run when the ids pair up or blocks are large, else staged."""
+        if copy_between(src, dst, source, target, any_runs=self._run_by_run(src)):
             return TransferHandle()
         if src.device == dst.device and copy_staged(src, dst, source, target, self._scratch()):
             return TransferHandle()
@@ -246,6 +263,8 @@ class TorchBackend(Backend):
                 raise ConfigError(f"expected a KVCache, got {type(cache).__name__}")
         if self._device not in (src.device, dst.device):
             raise ConfigError(f"neither cache is on {self._device} ({src.device} -> {dst.device})")
+        if src.device == dst.device and src.storage.data_ptr() == dst.storage.data_ptr():
+            raise ConfigError("transfer moves blocks between two caches; within one cache, use copy_blocks")
         if _payload_spec(src.spec) != _payload_spec(dst.spec):
             raise ConfigError("transfer needs caches of the same spec (layers, heads, head_dim, dtype, block size)")
         source = block_ids(src, src_ids, what="source block ids")

@@ -126,6 +126,29 @@ def _bandwidth_lines(config: pytest.Config) -> list[str]:
     return lines
 
 
+def _paired_rows(config: pytest.Config) -> list[dict]:
+    """Ratios a benchmark measured itself, round by round against its baseline (``paired_ratio``)."""
+    rows = []
+    for bench in _finished(config):
+        info = bench.extra_info
+        if "paired_ratio" in info:
+            target = info.get("target")
+            rows.append(
+                {
+                    "group": bench.group,
+                    "subject": info["subject"],
+                    "baseline": "copy, same round",
+                    "subject_median_s": None,
+                    "baseline_median_s": None,
+                    "ratio": info["paired_ratio"],
+                    "target": target,
+                    "verdict": "-" if target is None else ("met" if info["paired_ratio"] >= target else "MISSED"),
+                    "meaning": "median over rounds of (contiguous copy time / operation time)",
+                }
+            )
+    return rows
+
+
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     medians = _medians(config)
     rows = []
@@ -148,16 +171,21 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
                 "meaning": r.meaning,
             }
         )
+    paired = _paired_rows(config)
+    rows += paired
     if not rows:
         return
     tr = terminalreporter
     tr.write_sep("-", "kvblocks ratios (baseline median / subject median, same run)")
     for row in rows:
         target = "" if row["target"] is None else f">= {row['target']:.2f}"
+        if row["subject_median_s"] is None:  # paired: no medians to show
+            times = f"{'paired rounds':>29}"
+        else:
+            times = f"{_duration(row['subject_median_s'])} vs {_duration(row['baseline_median_s'])}"
         tr.write_line(
-            f"{row['group']:<18} {row['subject']:<24} vs {row['baseline']:<16} "
-            f"{_duration(row['subject_median_s'])} vs {_duration(row['baseline_median_s'])}  "
-            f"ratio {row['ratio']:6.2f} {target:>8} {row['verdict']}"
+            f"{row['group']:<18} {row['subject']:<24} vs {row['baseline'][:16]:<16} "
+            f"{times}  ratio {row['ratio']:6.2f} {target:>8} {row['verdict']}"
         )
     throughput = _throughput_lines(config) + _bandwidth_lines(config)
     if throughput:

@@ -311,6 +311,13 @@ def test_runs() -> None:
         (lambda c: BACKEND.copy_blocks(c, [1, 2], [3]), ConfigError),
         (lambda c: BACKEND.copy_blocks(c, [1, 2], [3, 3]), InvalidBlockIdError),
         (lambda c: BACKEND.zero(c, [9]), InvalidBlockIdError),
+        (lambda c: BACKEND.scatter(c, [5, 6], c.storage[: 2 * c.spec.bytes_per_block].view(2, -1)), ConfigError),
+        (
+            lambda c: BACKEND.gather(
+                c, [5, 6], out=c.storage[c.spec.bytes_per_block :][: 2 * c.spec.bytes_per_block].view(2, -1)
+            ),
+            ConfigError,
+        ),
         (lambda c: BACKEND.transfer(c, BACKEND.allocate(spec_of(head_dim=4), 8), [0], [0]), ConfigError),
         (lambda c: BACKEND.transfer(c, c, [0, 1], [2]), ConfigError),
         (lambda c: BACKEND.transfer(c, c, [0, 1, 2, 3], [1, 2, 3, 4]), ConfigError),  # one cache: copy_blocks

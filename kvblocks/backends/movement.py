@@ -180,6 +180,11 @@ def check_payload(cache: KVCache, data: torch.Tensor, count: int) -> None:
         raise ConfigError(f"payload must be a uint8 tensor of shape {expected}, got {data.dtype} {tuple(data.shape)}")
     if data.stride(-1) != 1 or data.stride(0) != cache.spec.bytes_per_block:
         raise ConfigError("payload must be contiguous")
+    if data.device == cache.device and data.numel():
+        start, end = data.data_ptr(), data.data_ptr() + data.numel()
+        own = cache.storage.data_ptr()
+        if start < own + cache.nbytes and own < end:  # copies would read bytes they already overwrote
+            raise ConfigError("payload overlaps the cache's own memory: copy it out first (or use copy_blocks)")
 
 
 def gather_into(cache: KVCache, ids: _Ids, out: torch.Tensor) -> None:

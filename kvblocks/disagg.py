@@ -582,6 +582,10 @@ class TieredDecodeManager(DecodeManager, TieredKVCacheManager):
     on commit -- so the next turn of a conversation, prefilled on another node, can load
     the whole history from shared storage -- and ``save_on_preempt`` lets a preempted
     sequence come back from storage instead of being recomputed.
+
+    Step order: ``accept_handoff`` may evict blocks to make room, so run the step's plan
+    (``take_transfers`` ... ``complete_transfers``) before the transferred KV is written
+    into the admission's blocks, as before any forward pass.
     """
 
     def __init__(

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvblocks import DecodeManager, KVCacheManager, PrefillManager
+from kvblocks import DecodeManager, KVCacheManager, PrefillManager, TieredDecodeManager
 from kvblocks.errors import BackendUnavailableError, InvalidArgumentError
 from kvblocks.metrics import KVBlocksCollector, RouterMetrics, exposition, start_http_server
 from kvblocks.routing import Router, RouterConfig
@@ -190,6 +190,26 @@ def test_host_blocks_held_by_copies_in_flight_are_in_use_until_the_plan_complete
     assert host_blocks() == {"in_use": 4, "cached": 0, "fresh": 4, "total": 8}
     m.complete_transfers(plan)
     assert host_blocks() == {"in_use": 0, "cached": 4, "fresh": 4, "total": 8}
+
+
+def test_a_tiered_decode_node_exports_its_handoffs_and_its_tiers() -> None:
+    collector = KVBlocksCollector()
+    prefill = PrefillManager(num_blocks=16, block_size=B)
+    decode = TieredDecodeManager(4, B, tiers=TierConfig(num_host_blocks=8), reserve_blocks_per_sequence=0)
+    collector.add_manager("d", decode)
+    for seq, tokens in ((1, list(range(12))), (2, list(range(100, 112)))):
+        prefill.add_sequence(seq, tokens)
+        prefill.allocate(seq, 12)
+        prefill.commit(seq, 12)
+        assert decode.accept_handoff(prefill.finish_prefill(seq), tokens) is not None  # 2: evicts 1's 2 blocks
+        decode.complete_transfers(decode.take_transfers())
+        decode.receive_done(seq)
+        decode.free(seq)
+    families = text_string_to_metric_families(exposition(collector).decode())
+    samples = {(s.name, frozenset(s.labels.items())): s.value for f in families for s in f.samples}
+    assert value(samples, "kvblocks_decode_handoffs_total", cache="d", result="accepted") == 2
+    assert value(samples, "kvblocks_decode_transferred_blocks_total", cache="d") == 6
+    assert value(samples, "kvblocks_blocks", cache="d", tier="host", state="cached") == 2  # written back
 
 
 # ---------------------------------------------------------------- routers

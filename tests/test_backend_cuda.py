@@ -144,3 +144,54 @@ def test_tiny_model_on_the_gpu_matches_without_caching(gpu) -> None:
     moved = tiny.generate(model, prompts, caching=True, after_step=through_gpu)
     assert tiny.max_logit_difference(plain_cpu, moved) < 1e-4
     assert moved.tokens == plain_cpu.tokens
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        (list(range(0, 8)), list(range(1, 9))),
+        (list(range(1, 9)), list(range(0, 8))),
+        ([8, 9, 10, 11, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7]),
+    ],
+    ids=["shift-up", "shift-down", "chain"],
+)
+def test_copy_blocks_with_overlapping_runs_on_the_gpu(gpu, src: list[int], dst: list[int]) -> None:
+    cpu = CPUBackend()
+    on_gpu, on_cpu = gpu.allocate(SPECS[0], 12), cpu.allocate(SPECS[0], 12)
+    _random(on_gpu, 5)
+    on_cpu.storage.copy_(on_gpu.storage.cpu())
+    gpu.copy_blocks(on_gpu, src, dst)
+    cpu.copy_blocks(on_cpu, src, dst)
+    gpu.synchronize()
+    assert torch.equal(on_gpu.storage.cpu(), on_cpu.storage)
+
+
+def test_the_transfer_executor_moves_evicted_blocks_through_pinned_host_memory(gpu) -> None:
+    """A tiered manager's plans run on a GPU cache and a pinned host cache: write-back, then swap-in."""
+    from kvblocks.tiers import TierConfig, TieredKVCacheManager
+    from kvblocks.tiers.executor import TransferExecutor
+
+    spec = SPECS[0]
+    manager = TieredKVCacheManager(5, spec.block_size, tiers=TierConfig(num_host_blocks=8))
+    device_cache = gpu.allocate(spec, 5)
+    host_cache = CPUBackend().allocate(spec, 8, pin_memory=True)
+    executor = TransferExecutor(manager, gpu, device_cache, host_cache)
+    prompt = list(range(4 * spec.block_size + 1))  # 4 full blocks and one token
+    manager.add_sequence("a", prompt)
+    table = list(manager.allocate("a", len(prompt)))
+    _random(device_cache, 6)
+    written = device_cache.storage.view(5, -1)[table[:4]].cpu()  # "the forward pass wrote a's KV"
+    manager.commit("a", len(prompt))
+    manager.free("a")
+    manager.add_sequence("b", [10_000 + t for t in prompt])
+    manager.allocate("b", len(prompt))  # evicts a's 4 blocks ...
+    executor.step()  # ... which go to the pinned host cache first
+    device_cache.storage.zero_()  # b's forward pass overwrites everything on the device
+    manager.free("b")
+    manager.add_sequence("c", prompt)
+    assert manager.lookup("c").host == 4 * spec.block_size
+    table_c = manager.allocate("c", 1)
+    executor.step()  # swap-ins: host -> GPU
+    assert manager.is_ready("c")
+    assert torch.equal(device_cache.storage.view(5, -1)[list(table_c)[:4]].cpu(), written)
+    manager.check_integrity()

@@ -448,13 +448,7 @@ class TieredDisaggMachine(RuleBasedStateMachine):
             return
         d, ed = self.d, self.ed
         if not d.is_admitted(r):
-            self._admit(ed, r)
-            if not d.is_admitted(r):
-                return
-            n = d.num_tokens(r)
-            if len(d.block_table(r)) * B < n and d.allocate(r, n - d.num_computed_tokens(r)) is None:
-                d.preempt(r)
-                ed.step()
+            if not self._resume(r):
                 return
         else:
             d.append_tokens(r, [7])
@@ -465,6 +459,41 @@ class TieredDisaggMachine(RuleBasedStateMachine):
         ed.step()
         ed.compute(r, d.num_tokens(r))
         d.commit(r, d.num_tokens(r))
+
+    def _resume(self, r: int) -> bool:
+        """Re-admit a preempted decoding sequence (its cached prefix may come back from host or storage)."""
+        d, ed = self.d, self.ed
+        self._admit(ed, r)
+        if not d.is_admitted(r):
+            return False
+        n = d.num_tokens(r)
+        if len(d.block_table(r)) * B < n and d.allocate(r, n - d.num_computed_tokens(r)) is None:
+            d.preempt(r)
+            ed.step()
+            return False
+        return True
+
+    @rule(data=st.data())
+    def decode_preempt_evict_resume(self, data) -> None:
+        """Preempt, let other work take every free block (evicting the sequence's), then resume it."""
+        d, ed = self.d, self.ed
+        r = self._pick(data, [r for r in self.decoding if d.is_admitted(r)])
+        if r is None:
+            return
+        d.preempt(r)
+        ed.step()
+        filler = f"filler-{self.next}"
+        self.next += 1
+        d.add_sequence(filler, [90_000 + 100 * self.next + i for i in range(B * d.pool.num_free)])
+        if d.pool.num_free:
+            assert d.allocate(filler, B * d.pool.num_free) is not None
+            ed.step()  # write-backs / saves of what the filler evicted
+        d.free(filler)
+        ed.step()
+        if self._resume(r):
+            ed.step()
+            ed.compute(r, d.num_tokens(r))
+            d.commit(r, d.num_tokens(r))
 
     @rule(data=st.data())
     def decode_preempt(self, data) -> None:
@@ -508,3 +537,38 @@ TieredDisaggMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_tiered_disagg_state_machine = TieredDisaggMachine.TestCase
+
+
+@pytest.mark.parametrize("save_on_preempt", [False, True])
+def test_a_preempted_decode_sequence_comes_back_from_storage(closing, save_on_preempt: bool) -> None:
+    """Decode node without a host tier: evicted (or, with save_on_preempt, snapshotted) blocks reload."""
+    p = PrefillManager(16, B)
+    d = TieredDecodeManager(
+        5, B, tiers=tiers(storage=MemoryStorage(), save_on_preempt=save_on_preempt), reserve_blocks_per_sequence=0
+    )
+    closing.append(d)
+    ed = SimEngine(d, settle=True)
+    tokens = prompt(1, 4)  # 16 tokens: 4 full blocks
+    p.add_sequence("a", tokens)
+    p.allocate("a", 16)
+    p.commit("a", 16)
+    handoff = p.finish_prefill("a")
+    admission = d.accept_handoff(handoff, tokens)
+    assert admission is not None
+    ed.step()
+    for (_, target), block_hash in zip(admission.transfers, handoff.block_hashes, strict=True):
+        ed.device[target] = content_of(block_hash)
+    d.receive_done("a")
+    d.preempt("a")
+    ed.step()
+    d.add_sequence("filler", list(range(7000, 7000 + 4 * d.pool.num_free)))
+    assert d.allocate("filler", 4 * d.pool.num_free) is not None  # takes every block, a's included
+    ed.step()
+    d.free("filler")
+    ed.step()
+    assert d.lookup("a") == CachedTokens(storage=12, num_prompt_tokens=16)  # the last block: recomputed
+    assert d.allocate("a", 4) is not None
+    ed.wait_ready("a")
+    ed.check_sequence("a")
+    assert d.num_computed_tokens("a") == 12 and d.stats.readmission_hit_tokens_storage == 12
+    d.check_integrity()

@@ -137,7 +137,7 @@ def _paired_rows(config: pytest.Config) -> list[dict]:
                 {
                     "group": bench.group,
                     "subject": info["subject"],
-                    "baseline": "copy, same round",
+                    "baseline": info.get("baseline", "baseline") + ", paired",
                     "subject_median_s": None,
                     "baseline_median_s": None,
                     "ratio": info["paired_ratio"],
@@ -184,7 +184,7 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         else:
             times = f"{_duration(row['subject_median_s'])} vs {_duration(row['baseline_median_s'])}"
         tr.write_line(
-            f"{row['group']:<18} {row['subject']:<24} vs {row['baseline'][:16]:<16} "
+            f"{row['group']:<18} {row['subject']:<24} vs {row['baseline']:<16} "
             f"{times}  ratio {row['ratio']:6.2f} {target:>8} {row['verdict']}"
         )
     throughput = _throughput_lines(config) + _bandwidth_lines(config)

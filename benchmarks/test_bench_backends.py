@@ -8,12 +8,11 @@ more, and on a GPU >= 80% for device <-> pinned host and >= 70% for device copie
 from __future__ import annotations
 
 import random
-import statistics
-import time
 
 import pytest
 import torch
 
+from benchmarks.paired import paired_ratio
 from kvblocks.backends import CPUBackend, KVCacheSpec, get_backend
 
 POOL_BYTES = 256 << 20
@@ -74,18 +73,10 @@ def test_cpu_transfer_between_caches(benchmark, shape: str, block_major: bool) -
     benchmark(lambda: backend.transfer(cache, other, ids, targets).wait())
 
 
-PAIRS = 25
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("op", ["gather", "scatter", "transfer"])
 def test_cpu_move_paired(benchmark, shape: str, op: str) -> None:
-    """The same ratios, measured in pairs: each round times one contiguous copy and then the operation.
-
-    A shared machine's memory bandwidth drifts (the contiguous copy alone varies 2x between runs
-    here); a ratio taken within one round sees the same conditions on both sides, and the median
-    of the rounds' ratios is what the target is checked against.
-    """
+    """The same ratios, measured in pairs (see :mod:`benchmarks.paired`): a contiguous copy, then the operation."""
     _, backend, cache, ids, src, dst = _setup(shape)
     other = backend.allocate(cache.spec, cache.num_blocks)
     targets = random.Random(1).sample(range(cache.num_blocks), len(ids))
@@ -95,23 +86,15 @@ def test_cpu_move_paired(benchmark, shape: str, op: str) -> None:
         "scatter": lambda: backend.scatter(cache, ids, payload),
         "transfer": lambda: backend.transfer(cache, other, ids, targets).wait(),
     }[op]
-    ratios: list[float] = []
-    pairs = 1 if benchmark.disabled else PAIRS  # a plain test run checks that it works, not how fast
-
-    def rounds() -> None:
-        for _ in range(pairs):
-            start = time.perf_counter()
-            dst.copy_(src)
-            middle = time.perf_counter()
-            subject()
-            ratios.append((middle - start) / (time.perf_counter() - middle))
-
-    benchmark.group = f"cpu-paired-{shape}"
-    benchmark.extra_info["subject"] = op
-    benchmark.pedantic(rounds, rounds=1, iterations=1)
-    benchmark.extra_info["paired_ratio"] = statistics.median(ratios)
-    benchmark.extra_info["target"] = 0.7
-    assert len(ratios) == pairs and all(r > 0 for r in ratios)
+    paired_ratio(
+        benchmark,
+        f"cpu-paired-{shape}",
+        op,
+        lambda: dst.copy_(src),
+        subject,
+        baseline_name="contiguous copy",
+        target=0.7,
+    )
 
 
 @pytest.mark.cuda

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from benchmarks.paired import paired_ratio
 from kvblocks import DecodeManager, KVCacheManager, PrefillHandoff, PrefillManager, TieredDecodeManager
 from kvblocks.tiers import TierConfig
 
@@ -51,3 +52,17 @@ def test_handoff_accept_2k(benchmark, subject: str) -> None:
         benchmark(admit_one)
     else:
         benchmark(accept_one, tiered=subject.endswith("tiered decode node"))
+
+
+def test_handoff_accept_2k_paired(benchmark) -> None:
+    """The same ratio, paired: a mixed admission, then an accepted handoff, in each round."""
+    paired_ratio(
+        benchmark,
+        "handoff-2k-paired",
+        "accept handoff",
+        admit_one,
+        accept_one,
+        baseline_name="mixed admission",
+        target=0.5,
+        repeat=10,
+    )

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from benchmarks.paired import paired_ratio
 from kvblocks import BlockHasher, HashedTokens, block_hashes
 from kvblocks.events import BlockStored
 from kvblocks.routing import Router, RouterConfig
@@ -52,4 +53,21 @@ def test_route_2k(benchmark, workers: int, subject: str) -> None:
         r.route(PROMPT).release()
 
     benchmark(route)
+    assert all(r.load(w).running == 0 for w in r.workers)
+
+
+@pytest.mark.parametrize("workers", [8, 64])
+def test_route_2k_paired(benchmark, workers: int) -> None:
+    """The same ratio, paired: hashing alone, then a route, in each round (see :mod:`benchmarks.paired`)."""
+    r = ROUTERS[workers]
+    paired_ratio(
+        benchmark,
+        f"route-2k-{workers}-paired",
+        "route",
+        hash_only,
+        lambda: r.route(PROMPT).release(),
+        baseline_name="hash only",
+        target=0.5,
+        repeat=20,
+    )
     assert all(r.load(w).running == 0 for w in r.workers)

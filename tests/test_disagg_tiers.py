@@ -169,15 +169,15 @@ def test_a_prefill_freed_before_its_copies_settle_reports_nothing_later(closing)
     ep = SimEngine(p)
     prefill(ep, "a", prompt(1))
     p.transfer_done("a")
-    prefill(ep, "b", list(range(100, 117)))
+    prefill(ep, "b", prompt(2))  # shares the 3 system blocks; evicts a's block 3 to host
     p.transfer_done("b")
     ep.step()
     p.add_sequence("r", prompt(1))
-    assert p.allocate("r", 1) is not None and not p.is_ready("r")  # host hits pending
-    p.free("r")  # before the plan ran
+    assert p.lookup("r") == CachedTokens(device=12, host=4, num_prompt_tokens=17)
+    assert p.allocate("r", 1) is not None and not p.is_ready("r")  # the host hit is pending
+    p.free("r")  # before the plan ran: the admission is abandoned (counted with its device hits)
     ep.step()
-    cold = list(range(300, 317))
-    handoff = prefill(ep, "r", cold)
+    handoff = prefill(ep, "r", list(range(300, 317)))  # the same id, a cold prompt
     assert handoff.cached == CachedTokens(num_prompt_tokens=17)
     p.check_integrity()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.paired import paired_ratio
 from kvblocks import KVCacheManager
 from kvblocks.tiers import TierConfig, TieredKVCacheManager
 
@@ -78,3 +79,18 @@ def test_the_host_tier_serves_what_the_device_evicted() -> None:
     assert device_only.stats.evicted_blocks > 0
     assert more > plain and tiered.stats.hit_tokens_host > 0
     tiered.check_integrity()
+
+
+def test_tier_layer_overhead_paired(benchmark) -> None:
+    """The same ratio, paired (see :mod:`benchmarks.paired`): a device-only run, then a tiered one with no tiers."""
+    plain, layered = LAYER["device only"][0], LAYER["tiered, no tiers"][0]
+    paired_ratio(
+        benchmark,
+        "tier-layer-paired",
+        "tiered, no tiers",
+        lambda: serve(plain(), False),
+        lambda: serve(layered(), True),
+        baseline_name="device only",
+        target=0.8,
+        rounds=15,
+    )

@@ -348,10 +348,13 @@ class TieredKVCacheManager(KVCacheManager):
         pool = self._pool
         short = count - pool.num_fresh
         if short > 0:
-            hashes: list[BlockHash] = []
-            evicted = self._tree.evict(short, hashes)
-            if evicted:
-                self._evicted_from_device(evicted, hashes)
+            if self._host is None and not self._storage_write_back:  # nothing below wants evicted content
+                self._tree.evict(short)
+            else:
+                hashes: list[BlockHash] = []
+                evicted = self._tree.evict(short, hashes)
+                if evicted:
+                    self._evicted_from_device(evicted, hashes)
         return pool.take_fresh(count)
 
     def _evicted_from_device(self, blocks: list[int], hashes: list[BlockHash]) -> None:

@@ -143,7 +143,7 @@ def _paired_rows(config: pytest.Config) -> list[dict]:
                     "ratio": info["paired_ratio"],
                     "target": target,
                     "verdict": "-" if target is None else ("met" if info["paired_ratio"] >= target else "MISSED"),
-                    "meaning": "median over rounds of (contiguous copy time / operation time)",
+                    "meaning": "median over rounds of (baseline time / subject time)",
                 }
             )
     return rows
@@ -171,8 +171,7 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
                 "meaning": r.meaning,
             }
         )
-    paired = _paired_rows(config)
-    rows += paired
+    rows += _paired_rows(config)
     if not rows:
         return
     tr = terminalreporter

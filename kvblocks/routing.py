@@ -7,7 +7,9 @@ events (precise mode) or by the prompts it routed there, expiring after a TTL
 the bugs this module exists to rule out) and returns a :class:`Lease` that releases every
 counter it took exactly once.
 
-The cost of sending a prompt of ``P`` full blocks to worker ``w``, in blocks::
+The cost of sending a prompt to worker ``w``, in blocks, where ``P`` is the number of its blocks a hit
+may cover (its full blocks, less the one holding its last token: the last-token rule of
+``KVCacheManager.lookup``, so a fully cached, block-aligned prompt still charges that block)::
 
     cost(w) = prefill_weight * (max(0, P - credit * overlap(w)) + inflight_prefill_tokens(w) / block_size)
               + decode_weight * running(w) / block_size
@@ -54,6 +56,7 @@ from kvblocks.hashing import (
     BlockHasher,
     HashedTokens,
     Namespace,
+    validate_block_hashes,
 )
 
 __all__ = ["Lease", "NoWorkerError", "Router", "RouterConfig", "WorkerLoad"]
@@ -530,9 +533,7 @@ class Router:
                 raise InvalidArgumentError("give token_ids or block_hashes, not both")
             if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
                 raise InvalidArgumentError("block_hashes need num_tokens, the prompt length")
-            hashes: Sequence[BlockHash] = (
-                block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes)
-            )
+            hashes: Sequence[BlockHash] = validate_block_hashes(block_hashes)  # what a manager refuses, refused
             if len(hashes) > num_tokens // size:
                 raise InvalidArgumentError(f"{len(hashes)} block hashes for a {num_tokens}-token prompt")
             prompt_tokens = num_tokens
@@ -550,10 +551,14 @@ class Router:
         alive = self._healthy
         if not alive:
             raise NoWorkerError("no healthy worker to route to")
-        blocks = len(hashes)
+        # the last-token rule of lookup: the block holding the prompt's last token is computed anyway,
+        # so a block-aligned prompt is scored (and charged) on its first P - 1 blocks
+        cacheable = (prompt_tokens - 1) // size if prompt_tokens else 0
+        scored = hashes if len(hashes) <= cacheable else hashes[:cacheable]
+        blocks = len(scored)
         pw, credit = config.prefill_weight, config.overlap_credit
         if config.temperature:
-            overlaps = self._overlaps(hashes, alive)
+            overlaps = self._overlaps(scored, alive)
             costs = [
                 (pw * max(0.0, blocks - credit * overlaps.get(w.bit, 0.0)) + self._base(w), w)
                 for w in self._workers.values()
@@ -562,7 +567,7 @@ class Router:
             best = self._sample(costs)
             overlap = overlaps.get(best.bit, 0.0)
         else:
-            best, overlap = self._cheapest(hashes, alive, blocks)
+            best, overlap = self._cheapest(scored, alive, blocks)
         # the prefill work this request adds: its tokens beyond the (tier-weighted) overlap
         new_tokens = prompt_tokens - min(prompt_tokens, int(min(overlap, blocks)) * size)
         lease = Lease(self, best, new_tokens, overlap)

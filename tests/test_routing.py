@@ -8,11 +8,18 @@ import itertools
 from collections import deque
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from kvblocks import ConfigError, EventSink, InvalidArgumentError, KVCacheManager, block_hashes
+from kvblocks import (
+    ConfigError,
+    EventSink,
+    InvalidArgumentError,
+    InvalidBlockHashError,
+    KVCacheManager,
+    block_hashes,
+)
 from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvblocks.routing import Lease, NoWorkerError, Router, RouterConfig
 
@@ -172,6 +179,44 @@ def test_routing_by_hashes_matches_routing_by_tokens() -> None:
         r.route(block_hashes=hashes(prompt), num_tokens=4)  # more blocks than tokens
     with pytest.raises(InvalidArgumentError):
         r.route()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[-1], [1.5], [[1, 2]], [True], [b""], [7, 7], [{"h": 1}], [None]],
+    ids=["negative", "float", "unhashable", "bool", "empty-bytes", "repeat", "dict", "none"],
+)
+def test_route_refuses_the_block_hashes_a_manager_refuses(bad: list) -> None:
+    r = router()
+    m = KVCacheManager(num_blocks=8, block_size=B)
+    with pytest.raises(InvalidBlockHashError):
+        m.add_sequence("s", block_hashes=bad, num_tokens=len(bad) * B + 1)
+    with pytest.raises(InvalidBlockHashError):
+        r.route(block_hashes=bad, num_tokens=len(bad) * B + 1)
+    assert r.routed == 0
+    assert all(r.load(w).running == 0 and r.load(w).inflight_prefill_tokens == 0 for w in r.workers)
+
+
+@given(st.integers(1, 6), st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_a_cached_prompt_still_computes_its_last_token(n_blocks: int, aligned: bool) -> None:
+    """The router charges what the worker will compute: ``lookup``'s count, never the last token."""
+    prompt = list(range(n_blocks * B + (0 if aligned else 1)))
+    h = hashes(prompt)
+    m = KVCacheManager(num_blocks=32, block_size=B)
+    m.add_sequence("warm", prompt)
+    m.allocate("warm", len(prompt))
+    m.commit("warm", len(prompt))
+    m.free("warm")
+    m.add_sequence("again", prompt)
+    computed = len(prompt) - m.lookup("again").device
+    for by_hashes in (False, True):
+        r = router(workers=("w1",))
+        r.apply_events("w1", [BlockStored(tuple(h), None, "device")])
+        lease = r.route(block_hashes=h, num_tokens=len(prompt)) if by_hashes else r.route(prompt)
+        assert lease.prefill_tokens == computed >= 1
+        assert r.load("w1").inflight_prefill_tokens == computed
+        lease.release()
 
 
 def test_a_warm_temperature_samples_but_prefers_the_cheap_worker() -> None:

@@ -11,14 +11,18 @@ import uuid
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvblocks.backends import CacheRegistry, CPUBackend, KVCacheSpec, attach_shared, plan_placement, publish_shared
 from kvblocks.backends.placement import ROLES
 from kvblocks.errors import AttachTimeoutError, ConfigError
+from kvblocks.tiers import FileStorage, MemoryStorage
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
 HOST_TIERS = [0, 1, 4096]
-STORAGE = [None, "", "file:///var/kv", "redis://127.0.0.1:6379", object()]
+STORAGE = [None, "file:///var/kv", "redis://127.0.0.1:6379", object(), MemoryStorage()]
+"""Configured (anything but None) or not; the empty MemoryStorage is falsy, and still a backend."""
 
 
 # ---------------------------------------------------------------- the rule
@@ -60,8 +64,49 @@ def test_exactly_one_creator_over_every_combination(role, profiling, host, stora
     assert placement.publish == bool(attaching)  # published iff someone attaches; profiling never publishes
     if profiling:
         assert actions["runner"] == "create" and not placement.publish
-    expected_process = host > 0 or bool(storage) or role != "mixed"
+    expected_process = host > 0 or storage is not None or role != "mixed"
     assert placement.cache_process == expected_process
+
+
+def _decision(placement) -> tuple[object, ...]:
+    """What both parties act on (the reason names the backend, so it is left out)."""
+    return (placement.create_in_runner, placement.cache_process, placement.publish, placement.creator)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    role=st.sampled_from(ROLES),
+    profiling=st.booleans(),
+    host=st.sampled_from(HOST_TIERS),
+    kind=st.sampled_from(["memory", "file"]),
+)
+def test_placement_reads_the_configuration_not_what_the_storage_holds(
+    tmp_path_factory, role, profiling, host, kind
+) -> None:
+    """An empty store is falsy (``__len__``): a runner deciding before the first write and a cache process
+    deciding after it must still agree (FastDeploy #7420: one double-allocates or both wait)."""
+    storage = MemoryStorage() if kind == "memory" else FileStorage(tmp_path_factory.mktemp("kv"))
+    marker = plan_placement(role, profiling=profiling, num_host_blocks=host, storage_backend=object())
+    before = plan_placement(role, profiling=profiling, num_host_blocks=host, storage_backend=storage)
+    assert len(storage) == 0
+    storage.put([("block-0", b"kv bytes")])
+    assert len(storage) == 1
+    after = plan_placement(role, profiling=profiling, num_host_blocks=host, storage_backend=storage)
+    assert _decision(before) == _decision(after) == _decision(marker)
+    assert before.cache_process  # a storage backend always means a cache process
+    assert before.creator == ("runner" if profiling else "cache_process")
+
+
+def test_an_empty_storage_backend_still_moves_creation_to_the_cache_process() -> None:
+    placement = plan_placement("mixed", profiling=False, num_host_blocks=0, storage_backend=MemoryStorage())
+    assert placement.creator == "cache_process" and placement.attacher == "runner" and placement.publish
+
+
+@pytest.mark.parametrize("value", ["", "  ", False, True])
+def test_a_storage_backend_that_reads_as_a_switch_is_refused(value) -> None:
+    """By the rule "" or False would be a backend (not None), but surely meant none: refused, not guessed."""
+    with pytest.raises(ConfigError, match="storage_backend"):
+        plan_placement("mixed", profiling=False, num_host_blocks=0, storage_backend=value)
 
 
 def test_the_device_never_enters_the_rule() -> None:

@@ -6,8 +6,12 @@ elsewhere neither side created them while both waited. Here the rule exists once
 device, and answers for both parties at the same time::
 
     cache process exists  <=>  a host tier (num_host_blocks > 0)
-                               or a storage backend
+                               or a storage backend (storage_backend is not None)
                                or role is prefill / decode (disaggregation)
+
+The rule reads configuration only, never state: a storage backend counts whether it holds
+nothing or everything (the storage classes define ``__len__``, so an empty one is falsy; a
+runner deciding before the first write and a cache process deciding after it must agree).
 
     profiling                     -> the runner allocates a private cache to measure memory;
                                      nothing is published, nobody waits
@@ -57,6 +61,12 @@ class Placement:
         return "idle"
 
 
+def _check_storage_backend(storage_backend: object | None) -> None:
+    """Refuse values that read as an on/off switch: by the rule they would configure a backend."""
+    if isinstance(storage_backend, bool) or (isinstance(storage_backend, str) and not storage_backend.strip()):
+        raise ConfigError(f"storage_backend must be None (no backend) or a backend, got {storage_backend!r}")
+
+
 def plan_placement(role: Role, *, profiling: bool, num_host_blocks: int, storage_backend: object | None) -> Placement:
     """Decide where the KV tensors are created (see the module docstring for the rule).
 
@@ -71,10 +81,11 @@ def plan_placement(role: Role, *, profiling: bool, num_host_blocks: int, storage
         raise ConfigError(f"profiling must be a bool, got {profiling!r}")
     if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) or num_host_blocks < 0:
         raise ConfigError(f"num_host_blocks must be an int >= 0, got {num_host_blocks!r}")
+    _check_storage_backend(storage_backend)
     needs = []
     if num_host_blocks > 0:
         needs.append(f"a host tier of {num_host_blocks} blocks")
-    if storage_backend:
+    if storage_backend is not None:
         needs.append(f"a storage backend ({storage_backend!r})")
     if role != "mixed":
         needs.append(f"the {role} role")

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.resources
+import os
+import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
+
+import pytest
 
 import kvblocks
 
@@ -51,3 +57,128 @@ def test_main_example_runs_and_reports_shared_prefix_hits() -> None:
     assert "cached    0" in lines["alice-1"]  # the first request finds nothing
     assert "cached    0" not in lines["bob-1"]  # the second shares the system prompt
     assert "admitted 3 requests" in out
+
+
+# ---------------------------------------------------------------- install and packaging
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        return tomllib.load(f)
+
+
+def _imported_top_level_modules() -> set[str]:
+    """Every top-level module some file of the package imports (lazily or not)."""
+    found: set[str] = set()
+    for path in (ROOT / "kvblocks").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module.split(".")[0])
+            elif (  # importlib.import_module("matplotlib"), as the CLI loads its plot backend
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", None) == "import_module"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                found.add(str(node.args[0].value).split(".")[0])
+    return found
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower().replace("-", "_")
+
+
+def test_every_declared_dependency_is_imported_and_torch_is_an_extra() -> None:
+    project = _pyproject()["project"]
+    core = {_requirement_name(r) for r in project["dependencies"]}
+    imported = {name.lower() for name in _imported_top_level_modules()}
+    assert core <= imported, f"declared but never imported: {core - imported}"
+    assert not core & {"torch", "tqdm", "redis", "prometheus_client", "matplotlib"}, "heavy packages are extras"
+    extras = {name: {_requirement_name(r) for r in reqs} for name, reqs in project["optional-dependencies"].items()}
+    assert extras["torch"] == {"torch"} and extras["progress"] == {"tqdm"}
+    test_extra = " ".join(project["optional-dependencies"]["test"])
+    assert "torch" in test_extra and "progress" in test_extra  # the tests exercise both
+    for name in ("torch", "tqdm", "redis", "prometheus_client", "matplotlib"):
+        assert name in imported and any(name in reqs for reqs in extras.values()), name
+
+
+def test_license_classifiers_and_urls_use_the_current_metadata_forms() -> None:
+    project = _pyproject()["project"]
+    assert project["license"] == "Apache-2.0"  # an SPDX expression, not the deprecated table form
+    assert project["license-files"] == ["LICENSE"]
+    assert not [c for c in project["classifiers"] if c.startswith("License ::")]  # superseded by the expression
+    lowest = int(project["requires-python"].removeprefix(">=3."))
+    versions = {c.rsplit(" ", 1)[1] for c in project["classifiers"] if re.fullmatch(r".*Python :: 3\.\d+", c)}
+    assert f"3.{lowest}" in versions and f"3.{sys.version_info.minor}" in versions
+    assert {"Homepage", "Source", "Issues", "Documentation"} <= set(project["urls"])
+
+
+def test_backends_without_torch_raise_one_error_naming_the_extra() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # as if PyTorch were not installed\n"
+        "import kvblocks, kvblocks.backends, kvblocks.tiers\n"
+        "from kvblocks.backends import KVCacheSpec  # plain Python: no torch needed\n"
+        "KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype='float16', block_size=4).bytes_per_block\n"
+        "from importlib import import_module as load_module\n"
+        "for load in (lambda: kvblocks.backends.get_backend, lambda: load_module('kvblocks.backends.cpu'),\n"
+        "             lambda: kvblocks.tiers.TransferExecutor):\n"
+        "    try:\n"
+        "        load()\n"
+        "    except kvblocks.BackendUnavailableError as error:\n"
+        "        print(error)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert len(lines) == 3 and all('"kvblocks[torch]"' in line for line in lines), out
+
+
+def test_the_main_job_runs_without_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "from kvblocks.cli import main\n"
+        "sys.exit(main(['replay', sys.argv[1]]))\n"
+    )
+    trace = ROOT / "tests" / "data" / "mooncake_conversation_head1000.jsonl"
+    done = subprocess.run([sys.executable, "-c", code, str(trace)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "hit rate" in done.stdout.lower()
+
+
+def test_the_sdist_carries_what_its_tests_need(tmp_path: Path) -> None:
+    """An unpacked sdist collects every test without an error (it shipped test files without conftest)."""
+    build_meta = pytest.importorskip("setuptools.build_meta")
+    if not (ROOT / "pyproject.toml").is_file() or not (ROOT / "tests" / "conftest.py").is_file():
+        pytest.skip("not a source checkout")
+    cwd = Path.cwd()
+    try:
+        os.chdir(ROOT)
+        name = build_meta.build_sdist(str(tmp_path))
+    finally:
+        os.chdir(cwd)
+    with tarfile.open(tmp_path / name) as sdist:
+        sdist.extractall(tmp_path, filter="data")
+    unpacked = tmp_path / name.removesuffix(".tar.gz")
+    for needed in ("tests/conftest.py", "tests/examples.py", "docs/index.md", "examples/quickstart.py", "LICENSE"):
+        assert (unpacked / needed).is_file(), needed
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", "tests", "benchmarks"],
+        capture_output=True,
+        text=True,
+        cwd=unpacked,
+    )
+    assert done.returncode == 0 and "ERROR" not in done.stdout, done.stdout[-3000:]
+    assert re.search(r"^\d+ tests collected", done.stdout, re.MULTILINE), done.stdout[-3000:]
+
+
+def test_coverage_data_is_not_tracked_and_is_ignored() -> None:
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert ".coverage" not in tracked.split()
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".coverage"], cwd=ROOT)
+    assert ignored.returncode == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -651,3 +652,39 @@ def test_preempted_blocks_stay_held_when_their_save_was_already_planned(make) ->
     m.complete_transfers(plan, saved=[content_of(h) for h in m.block_hashes("a")])
     assert [m.pool.ref_count(b) for b in table] == [0] * 5
     m.check_integrity()
+
+
+# ---------------------------------------------------------------- lifetime
+
+
+def _storage_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("kvblocks-") and t.is_alive()}
+
+
+@pytest.mark.parametrize("leave_by_error", [False, True])
+def test_a_with_block_stops_the_storage_threads_and_keeps_queued_writes(leave_by_error: bool) -> None:
+    before = _storage_threads()
+    storage = MemoryStorage()
+    try:
+        with TieredKVCacheManager(
+            5, B, tiers=TierConfig(storage=storage, storage_policy="write-through", entry_format=FORMAT)
+        ) as m:
+            assert isinstance(m, TieredKVCacheManager)
+            assert len(_storage_threads() - before) == 2  # the writer and the reader
+            fill(m, "a", A)
+            engine = SimEngine(m)
+            engine.step()
+            if leave_by_error:
+                raise KeyError("the engine failed")
+    except KeyError:
+        assert leave_by_error
+    assert not (_storage_threads() - before)  # both stopped on leaving the block
+    assert m.tier_stats.writer.written == len(A) // B  # queued write-throughs finished within close's wait
+
+
+def test_transfer_executor_is_exported_from_the_tiers_package() -> None:
+    import kvblocks.tiers
+    from kvblocks.tiers.executor import TransferExecutor
+
+    assert kvblocks.tiers.TransferExecutor is TransferExecutor
+    assert "TransferExecutor" in kvblocks.tiers.__all__

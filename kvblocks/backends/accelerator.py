@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
-
+from kvblocks.backends._torch import torch
 from kvblocks.backends.base import TorchBackend, TransferHandle
 from kvblocks.backends.cache import KVCache
 from kvblocks.backends.movement import copy_between, copy_pairs_batched, gather_into, scatter_from

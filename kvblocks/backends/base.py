@@ -15,8 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import torch
-
+from kvblocks.backends._torch import torch
 from kvblocks.backends.cache import KVCache, build_cache
 from kvblocks.backends.movement import (
     BlockIds,

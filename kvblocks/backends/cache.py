@@ -22,8 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import torch
-
+from kvblocks.backends._torch import torch
 from kvblocks.backends.spec import DTYPE_SIZES, KVCacheSpec, Plane
 from kvblocks.errors import ConfigError
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import warnings
 
-import torch
-
+from kvblocks.backends._torch import torch
 from kvblocks.backends.base import TorchBackend
 
 __all__ = ["CPUBackend", "accelerator_present"]

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
+from kvblocks.backends._torch import torch
 from kvblocks.backends.accelerator import AcceleratorBackend
 
 __all__ = ["CUDABackend"]

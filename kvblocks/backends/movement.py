@@ -15,8 +15,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-import torch
-
+from kvblocks.backends._torch import torch
 from kvblocks.backends.cache import KVCache, payload_words
 from kvblocks.errors import ConfigError, InvalidBlockIdError
 

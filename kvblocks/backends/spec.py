@@ -219,7 +219,7 @@ class KVCacheSpec:
 
     def torch_dtype(self, name: str | None = None) -> torch.dtype:
         """The torch dtype of ``name`` (default: the KV dtype). Imports torch."""
-        import torch
+        from kvblocks.backends._torch import torch
 
         dtype = getattr(torch, name or self.dtype, None)
         if dtype is None:

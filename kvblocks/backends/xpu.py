@@ -11,8 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-import torch
-
+from kvblocks.backends._torch import torch
 from kvblocks.backends.accelerator import AcceleratorBackend
 
 __all__ = ["XPUBackend", "xpu_status"]

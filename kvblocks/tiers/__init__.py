@@ -1,8 +1,10 @@
 """Host and storage tiers under the device cache.
 
-Importing this package does not import torch or redis (:class:`TransferExecutor`, which
-moves tensors, is imported from :mod:`kvblocks.tiers.executor`).
+Importing this package does not import torch or redis: :class:`TransferExecutor`, which
+moves tensors, is loaded on first use (and needs the ``torch`` extra).
 """
+
+from typing import Any
 
 from kvblocks.tiers.config import HOST_POLICIES, STORAGE_POLICIES, TierConfig
 from kvblocks.tiers.entry import EntryFormat, block_key, namespace_tag
@@ -34,9 +36,19 @@ __all__ = [
     "TierConfig",
     "TierStats",
     "TieredKVCacheManager",
+    "TransferExecutor",
     "TransferPlan",
     "WriterStats",
     "block_key",
     "namespace_tag",
     "usable_prefix",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TransferExecutor":  # torch-backed: imported only when asked for
+        from kvblocks.tiers.executor import TransferExecutor
+
+        globals()[name] = TransferExecutor
+        return TransferExecutor
+    raise AttributeError(f"module 'kvblocks.tiers' has no attribute {name!r}")

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
+from kvblocks.backends._torch import torch
 from kvblocks.backends.base import Backend
 from kvblocks.backends.cache import KVCache
 from kvblocks.backends.registry import get_backend

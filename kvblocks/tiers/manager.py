@@ -28,6 +28,8 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from types import TracebackType
+from typing import TypeVar
 
 from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
@@ -40,6 +42,8 @@ from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.storage_tier import LoadOutcome, StorageTier, StorageTierStats
 from kvblocks.tiers.transfers import AdmittedTable, BlockSave, LoadResult, TransferPlan
 from kvblocks.tiers.writer import WriterStats
+
+_Manager = TypeVar("_Manager", bound="TieredKVCacheManager")
 
 __all__ = ["TierStats", "TieredKVCacheManager"]
 
@@ -648,6 +652,13 @@ class TieredKVCacheManager(KVCacheManager):
         """Stop the storage threads (queued writes get ``timeout`` seconds) and close the backend."""
         if self._storage is not None:
             self._storage.close(timeout)
+
+    def __enter__(self: _Manager) -> _Manager:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        """Leaving the ``with`` block closes the manager (its storage threads stop), also on an exception."""
+        self.close()
 
     @property
     def tier_stats(self) -> TierStats:

@@ -2,9 +2,15 @@
 
 Configured by URL (``redis://host:6379/0``, ``rediss://`` for TLS, ``unix://``). Batches go
 out as one pipeline (one round trip); an optional TTL lets the server expire entries.
-Every call is bounded by ``socket_timeout``: a server that is down or does not answer
-makes reads misses and writes drops -- counted, never raised -- and the next call tries
-again, so serving resumes by itself when the server is back.
+A call that fails on a dropped connection or a timeout is tried again, at most ``retries``
+more times after a jittered exponential backoff between ``backoff_base`` and ``backoff_cap``
+seconds (redis-py's ``Retry``; see :mod:`kvblocks.redis_client`): writes are ``SET`` of
+content-addressed entries and reads are ``MGET``/``EXISTS``, so running one twice is
+harmless; ``DEL`` runs once. A call takes at most
+``(retries + 1) * 2 * socket_timeout + retries * backoff_cap`` seconds (7.0 s with the
+defaults), so a server that is down or does not answer never holds the writer or reader
+thread longer: its reads become misses and its writes drops -- counted, never raised --
+and serving resumes by itself when the server is back.
 
 Needs the ``redis`` package (``pip install "kvblocks[redis]"``), imported when a
 RedisStorage is created.
@@ -17,7 +23,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvblocks.errors import ConfigError
-from kvblocks.redis_client import connect
+from kvblocks.redis_client import (
+    DEFAULT_BACKOFF_BASE,
+    DEFAULT_BACKOFF_CAP,
+    DEFAULT_RETRIES,
+    check_retry_settings,
+    connect,
+    retrying,
+)
 from kvblocks.tiers.entry import valid_key
 from kvblocks.tiers.storage import StorageStats
 
@@ -34,6 +47,9 @@ class RedisStorage:
         ttl_seconds: float | None = None,
         socket_timeout: float = 1.0,
         prefix: str = "kvblocks:",
+        retries: int = DEFAULT_RETRIES,
+        backoff_base: float = DEFAULT_BACKOFF_BASE,
+        backoff_cap: float = DEFAULT_BACKOFF_CAP,
     ) -> None:
         if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not ttl_seconds > 0):
             raise ConfigError(f"ttl_seconds must be > 0 or None, got {ttl_seconds!r}")
@@ -41,8 +57,10 @@ class RedisStorage:
             raise ConfigError(f"socket_timeout must be a number > 0, got {socket_timeout!r}")
         if not isinstance(prefix, str):
             raise ConfigError(f"prefix must be a str, got {type(prefix).__name__}")
+        check_retry_settings(retries, backoff_base, backoff_cap)
         self._client: Any
-        self._client, self._errors = connect(url, socket_timeout, user="RedisStorage")
+        backoff = {"backoff_base": backoff_base, "backoff_cap": backoff_cap}
+        self._client, self._errors = connect(url, socket_timeout, user="RedisStorage", retries=retries, **backoff)
         self._ttl_ms = None if ttl_seconds is None else max(1, int(ttl_seconds * 1000))
         self._prefix = prefix
         self.url = url
@@ -55,11 +73,16 @@ class RedisStorage:
         names = self._names([key for key, _ in items])
         if not names:
             return 0
-        try:
+
+        def write() -> list[Any]:  # a new pipeline per attempt: a failed execute empties it
             pipe = self._client.pipeline(transaction=False)
             for name, (_, value) in zip(names, items):
                 pipe.set(name, value, px=self._ttl_ms)
-            results = pipe.execute(raise_on_error=False)
+            result: list[Any] = pipe.execute(raise_on_error=False)
+            return result
+
+        try:
+            results = retrying(self._client, write)
         except self._errors:
             self.stats.put_errors += len(names)
             return 0
@@ -93,11 +116,16 @@ class RedisStorage:
         names = self._names(keys)
         if not names:
             return []
-        try:
+
+        def ask() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             for name in names:
                 pipe.exists(name)
-            return [bool(flag) for flag in pipe.execute()]
+            result: list[Any] = pipe.execute()
+            return result
+
+        try:
+            return [bool(flag) for flag in retrying(self._client, ask)]
         except self._errors:
             self.stats.get_errors += 1
             return [False] * len(names)

@@ -16,12 +16,13 @@ import pytest
 import kvblocks
 
 ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("torch", "redis", "prometheus_client", "zmq", "msgpack", "msgspec", "transformers", "tqdm", "matplotlib")
 
 
 def test_import_does_not_load_heavy_optional_modules() -> None:
     code = (
-        "import sys, kvblocks, kvblocks.backends\n"
-        "heavy = [m for m in ('torch', 'redis', 'prometheus_client') if m in sys.modules]\n"
+        "import sys, kvblocks, kvblocks.backends, kvblocks.tiers, kvblocks.cli\n"
+        f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
         "print(','.join(heavy))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

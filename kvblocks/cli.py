@@ -6,8 +6,11 @@
 
 TRACE is a Mooncake or token-id JSONL file (``.gz`` too) or a bundled trace name
 (``mooncake-conversation``, ``mooncake-synthetic``); without one, ``replay`` runs a built-in
-synthetic multi-turn chat workload. Errors go to stderr with exit status 2, and nothing is
-printed as a result before the whole trace has been read and checked.
+synthetic multi-turn chat workload.
+
+Every bad input ends the command with exit status 2 and one line on stderr
+(``kvblocks <command>: error: ...``), nothing on stdout. Values, output paths and the whole
+trace are checked before any replay starts, so no work is thrown away for a typo.
 """
 
 from __future__ import annotations
@@ -17,14 +20,19 @@ import csv
 import importlib
 import io
 import json
+import os
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, NoReturn
 
-from kvblocks.errors import KVBlocksError
+from kvblocks.errors import ConfigError, KVBlocksError
+from kvblocks.replay import LIMITS, MAX_BLOCKS
 
-__all__ = ["MODEL_PRESETS", "main"]
+__all__ = ["DTYPE_ALIASES", "MODEL_PRESETS", "main"]
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128},
@@ -36,67 +44,268 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 """Published model shapes (KV heads after GQA; DeepSeek-V3 caches one MLA latent per token)."""
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20}
-_UNITS.update({"gib": 2**30, "tib": 2**40})
+DTYPE_ALIASES: dict[str, str] = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "e5m2": "float8_e5m2",
+}
+"""Short dtype names and the spec's canonical (torch) names they stand for; fp8 is e4m3 as in vLLM."""
+
+MAX_MEMORY = 1 << 60
+"""The largest ``plan --memory`` (1 EiB)."""
+
+PLAN_LIMITS = {"layers": 1024, "kv_heads": 1024, "head_dim": 1 << 16, "block_size": 1 << 16}
+"""Upper bounds of ``plan``'s shape flags (each at least 1)."""
+
+# Single letters and the "i" forms are binary (as docker, the JVM and free(1) read them); "B" forms are decimal.
+_UNITS = {"": 1, "b": 1}
+for _power, _letter in enumerate("kmgtp", 1):
+    _UNITS.update({_letter: 1 << 10 * _power, _letter + "i": 1 << 10 * _power, _letter + "ib": 1 << 10 * _power})
+    _UNITS[_letter + "b"] = 10 ** (3 * _power)
+
+_PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+_MAX_PERCENT = 10_000
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``kvblocks <cmd>: error: ...``) rather than usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(message)}\n")
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short(text: str) -> str:
+    return _one_line(repr(text), 40)
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an int in ``[low, high]``, with a message that says which side it missed."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{_short(text)} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high:,}, got {_one_line(text, 40)}")
+        return value
+
+    return parse
+
+
+def _setting(name: str) -> Callable[[str], int]:
+    return _int_in(*LIMITS[name])
 
 
 def _memory(text: str) -> int:
+    """A byte count such as 40G, 40GiB (binary) or 40GB (decimal); fractions allowed (1.5T)."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size (e.g. 40GiB, 512MiB, 8e9 is not accepted)")
-    return int(float(match.group(1)) * _UNITS[unit])
+        raise argparse.ArgumentTypeError(f"{_short(text)} is not a memory size (e.g. 40G, 40GiB, 512MiB, 40GB)")
+    try:
+        size = int(Fraction(match.group(1)) * _UNITS[unit])
+    except ValueError:  # more digits than Python converts
+        raise argparse.ArgumentTypeError(f"{_short(text)} is too large (at most 1EiB)") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {_short(text)}")
+    if size > MAX_MEMORY:
+        raise argparse.ArgumentTypeError(f"must be <= 1EiB, got {_short(text)}")
+    return size
+
+
+def _dtype(text: str) -> str:
+    from kvblocks.backends.spec import DTYPE_SIZES
+
+    name = DTYPE_ALIASES.get(text.lower(), text.removeprefix("torch."))
+    if name not in DTYPE_SIZES:
+        known = ", ".join([*DTYPE_SIZES, *DTYPE_ALIASES])
+        raise argparse.ArgumentTypeError(f"{_short(text)} is not a KV cache dtype; known: {known}")
+    return name
 
 
 def _capacities(text: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     for item in items:
-        if not re.fullmatch(r"[0-9]+(\.[0-9]+)?%|[0-9]+", item):
-            raise argparse.ArgumentTypeError(f"{item!r} is neither a block count nor a percentage like 25%")
+        if re.fullmatch(r"[0-9]{1,6}(\.[0-9]{1,6})?%", item):
+            if not 0 < float(item[:-1]) <= _MAX_PERCENT:
+                raise argparse.ArgumentTypeError(f"{item!r}: a percentage must be > 0% and <= {_MAX_PERCENT}%")
+        elif re.fullmatch(r"[0-9]+", item):
+            _setting("blocks")(item)
+        else:
+            raise argparse.ArgumentTypeError(f"{_short(item)} is neither a block count nor a percentage like 25%")
     if not items:
         raise argparse.ArgumentTypeError("give at least one capacity")
     return items
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvblocks", description="KV-cache replay, capacity sweeps and planning.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-    def trace_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--block-size", type=int, default=16, help="tokens per block for token-id traces (16)")
-        p.add_argument("--concurrency", type=int, default=1, help="requests running at once per worker (1)")
-        p.add_argument("--workers", type=int, default=1, help="route over N workers, each with blocks/N (1)")
-        p.add_argument("--host-blocks", type=int, default=0, help="a host tier of N blocks (split over workers)")
-        p.add_argument("--storage-blocks", type=int, default=0, help="a shared storage tier of N entries")
-        p.add_argument(
-            "--reference",
-            action="store_true",
-            help="count every hash id as a full block, as Mooncake's published hit rates do",
-        )
+    try:
+        return version("kvblocks")
+    except PackageNotFoundError:  # run from a source tree
+        import kvblocks
+
+        return str(getattr(kvblocks, "__version__", "unknown"))
+
+
+def _trace_options(p: argparse.ArgumentParser) -> None:
+    top = LIMITS
+    p.add_argument(
+        "--block-size",
+        type=_setting("block_size"),
+        default=None,
+        help=f"tokens per block for token-id traces (default 16, at most {top['block_size'][1]:,}); "
+        "a Mooncake trace fixes its own (512): another value there is an error",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=_setting("concurrency"),
+        default=1,
+        help=f"requests running at once per worker (default 1, at most {top['concurrency'][1]:,})",
+    )
+    p.add_argument(
+        "--workers",
+        type=_setting("workers"),
+        default=1,
+        help=f"route over N workers, each with blocks/N (default 1, at most {top['workers'][1]:,})",
+    )
+    p.add_argument(
+        "--host-blocks",
+        type=_setting("host_blocks"),
+        default=0,
+        help=f"a host tier of N blocks, split over the workers (default 0: none; at most {MAX_BLOCKS:,})",
+    )
+    p.add_argument(
+        "--storage-blocks",
+        type=_setting("storage_blocks"),
+        default=0,
+        help="a storage tier of N entries shared by the workers "
+        f"(default 0: none; at most {top['storage_blocks'][1]:,})",
+    )
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="count every hash id as a full block, as Mooncake's published hit rates do (Mooncake traces only)",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kvblocks",
+        description="KV-cache replay, capacity sweeps and planning. Errors: exit status 2, one line on stderr.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     replay = commands.add_parser("replay", help="replay a trace and report hit rates, evictions and speed")
     replay.add_argument("trace", nargs="?", help="trace file or bundled name; default: a built-in chat workload")
-    replay.add_argument("--blocks", type=int, default=None, help="total cache capacity in blocks (default: unlimited)")
-    trace_options(replay)
-    replay.add_argument("--json", action="store_true", help="print the result as JSON")
+    replay.add_argument(
+        "--blocks",
+        type=_setting("blocks"),
+        default=None,
+        help=f"total cache capacity in blocks, 1 to {MAX_BLOCKS:,} (default: room for the whole trace)",
+    )
+    _trace_options(replay)
+    replay.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
-    sweep = commands.add_parser("sweep", help="hit rate versus cache capacity, as CSV (and a PNG plot)")
+    sweep = commands.add_parser("sweep", help="hit rate versus cache capacity, as CSV (and a plot)")
     sweep.add_argument("trace", help="trace file or bundled name")
-    sweep.add_argument("--capacities", type=_capacities, required=True, help="blocks or % of the working set")
-    trace_options(sweep)
-    sweep.add_argument("--csv", help="write the CSV here instead of standard output")
-    sweep.add_argument("--plot", help="also draw the curve into this PNG (needs the 'plot' extra: matplotlib)")
+    sweep.add_argument(
+        "--capacities",
+        type=_capacities,
+        required=True,
+        help=f"comma-separated capacities: block counts (1 to {MAX_BLOCKS:,}) or percentages of the trace's "
+        "working set such as 25%%",
+    )
+    _trace_options(sweep)
+    sweep.add_argument("--csv", metavar="PATH", help="write the CSV to PATH instead of standard output")
+    sweep.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="also draw the curve into PATH (.png, .svg or .pdf; needs the extra kvblocks[plot], matplotlib)",
+    )
 
     plan = commands.add_parser("plan", help="bytes per block and the blocks/tokens a memory budget holds")
-    plan.add_argument("--model", choices=sorted(MODEL_PRESETS), help="a preset model shape")
-    plan.add_argument("--layers", type=int)
-    plan.add_argument("--kv-heads", type=int)
-    plan.add_argument("--head-dim", type=int)
-    plan.add_argument("--dtype", default="bfloat16")
-    plan.add_argument("--block-size", type=int, default=16)
-    plan.add_argument("--memory", type=_memory, required=True, help="KV memory budget, e.g. 40GiB")
-    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--model", choices=sorted(MODEL_PRESETS), help="a preset model shape (excludes the shape flags)")
+    limits = PLAN_LIMITS
+    plan.add_argument(
+        "--layers", type=_int_in(1, limits["layers"]), help=f"number of layers (1 to {limits['layers']:,})"
+    )
+    plan.add_argument(
+        "--kv-heads",
+        type=_int_in(1, limits["kv_heads"]),
+        help=f"KV heads per layer after GQA (1 to {limits['kv_heads']:,})",
+    )
+    plan.add_argument(
+        "--head-dim", type=_int_in(1, limits["head_dim"]), help=f"size of one head (1 to {limits['head_dim']:,})"
+    )
+    plan.add_argument(
+        "--dtype",
+        type=_dtype,
+        default="bfloat16",
+        help="KV cache element type (default bfloat16): float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, "
+        "int8, uint8, or bf16, fp16, fp32, fp8 (= float8_e4m3fn), fp8_e5m2",
+    )
+    plan.add_argument(
+        "--block-size",
+        type=_int_in(1, limits["block_size"]),
+        default=16,
+        help="tokens per block, a power of two (default 16)",
+    )
+    plan.add_argument(
+        "--memory",
+        type=_memory,
+        required=True,
+        help="KV memory budget, > 0 and at most 1EiB: 40G, 40GiB or 40Gi are binary (2**30), 40GB is decimal (10**9);"
+        " also K/M/T/P",
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return parser
+
+
+# ------------------------------------------------------------------ checks before any work
+
+
+def _check_output(path: str, flag: str) -> None:
+    """Refuse an output path that could not be written, before the run it would hold."""
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: directory {str(parent)!r} does not exist")
+    writable = os.access(target, os.W_OK) if target.exists() else os.access(parent, os.W_OK | os.X_OK)
+    if not writable:
+        raise ConfigError(f"{flag} {path}: not writable")
+
+
+def _plotter(path: str) -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, or a clear error naming the extra."""
+    if Path(path).suffix.lower() not in _PLOT_SUFFIXES:
+        raise ConfigError(f"--plot {path}: give a file ending in {', '.join(_PLOT_SUFFIXES)}")
+    try:
+        importlib.import_module("matplotlib").use("Agg")
+        return importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        raise ConfigError('--plot needs matplotlib: pip install "kvblocks[plot]"') from None
 
 
 def _load(name: str | None) -> Any:
@@ -105,31 +314,73 @@ def _load(name: str | None) -> Any:
     return synthetic_chat() if name is None else load_trace(name)
 
 
-def _progress(total: int) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
-    """A tqdm bar on stderr that appears only if the run takes more than a second or two."""
-    try:
-        from tqdm import tqdm  # type: ignore[import-untyped]
-    except ImportError:
-        return None, lambda: None
-    bar = tqdm(total=total, unit="req", delay=1.5, file=sys.stderr, disable=not sys.stderr.isatty(), leave=False)
-    return bar.update, bar.close
+def _block_size(args: argparse.Namespace, trace: Any) -> int:
+    """The block size to replay with: a Mooncake trace's own (its hashes fix it), else --block-size or 16."""
+    own = trace.block_tokens
+    if own is not None and args.block_size is not None and args.block_size != own:
+        raise ConfigError(
+            f"--block-size {args.block_size}: the trace's hash ids are {own}-token blocks; drop --block-size"
+        )
+    return int(own or args.block_size or 16)
 
 
-def _replay_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The replay settings shared by ``replay`` and ``sweep``."""
-    names = ("block_size", "concurrency", "workers", "reference", "host_blocks", "storage_blocks")
-    return {name: getattr(args, name) for name in names}
+def _replay_options(args: argparse.Namespace, trace: Any) -> dict[str, Any]:
+    """The replay settings shared by ``replay`` and ``sweep``, checked against the trace."""
+    if args.reference and trace.kind != "hash_ids":
+        raise ConfigError("--reference applies to hash-id traces (the published Mooncake figures)")
+    names = ("concurrency", "workers", "reference", "host_blocks", "storage_blocks")
+    options = {name: getattr(args, name) for name in names}
+    options["block_size"] = _block_size(args, trace)
+    return options
 
 
-def _replay(args: argparse.Namespace) -> Any:
-    from kvblocks.replay import replay
+# ------------------------------------------------------------------ progress
 
-    trace = _load(args.trace)
-    update, close = _progress(len(trace))
-    try:
-        return trace, replay(trace, blocks=args.blocks, progress=update, **_replay_options(args))
-    finally:
-        close()
+
+class _Progress:
+    """Progress on stderr, only when stderr is a terminal: a tqdm bar if tqdm is installed (shown after
+    1.5 s), else a plain line redrawn a few times a second. Closing it clears it."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self._stream = sys.stderr
+        self._total, self._label, self._done = total, label, 0
+        self._bar: Any = None
+        self._shown, self._last = False, -1.0
+        self.enabled = bool(getattr(self._stream, "isatty", lambda: False)())
+        if self.enabled:
+            try:
+                from tqdm import tqdm  # type: ignore[import-untyped]
+            except ImportError:
+                return
+            self._bar = tqdm(total=total, unit="req", desc=label, delay=1.5, file=self._stream, leave=False)
+
+    def update(self, n: int = 1) -> None:
+        self._done += n
+        if self._bar is not None:
+            self._bar.update(n)
+        elif self.enabled and (time.monotonic() - self._last >= 0.25 or self._done == self._total):
+            self._last = time.monotonic()
+            self._stream.write(f"\r{self._label}: {self._done:,}/{self._total:,} requests")
+            self._stream.flush()
+            self._shown = True
+
+    def clear(self) -> None:
+        """Take the line off the terminal (before a result row is printed beside it)."""
+        if self._bar is not None:
+            self._bar.clear()
+        elif self._shown:
+            self._stream.write("\r\x1b[K")
+            self._stream.flush()
+            self._shown, self._last = False, -1.0
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            self.clear()
+
+
+# ------------------------------------------------------------------ replay
 
 
 def _percent(x: float) -> str:
@@ -150,11 +401,23 @@ def _host_evictions(result: Any) -> str:
     return f", {result.host_evicted_blocks:,} host blocks" if result.host_blocks else ""
 
 
-def _cmd_replay(args: argparse.Namespace, out: io.TextIOBase) -> None:
-    trace, result = _replay(args)
+def _cmd_replay(args: argparse.Namespace, out: Any) -> None:
+    from kvblocks.replay import replay
+
+    trace = _load(args.trace)
+    options = _replay_options(args, trace)
+    progress = _Progress(len(trace), "kvblocks replay")
+    try:
+        result = replay(trace, blocks=args.blocks, progress=progress.update, **options)
+    finally:
+        progress.close()
     if args.json:
         out.write(json.dumps(result.as_dict(), indent=2) + "\n")
         return
+    out.write(_report(args, trace, result))
+
+
+def _report(args: argparse.Namespace, trace: Any, result: Any) -> str:
     kind = "hash ids" if trace.kind == "hash_ids" else "token ids"
     capacity = "unlimited" if args.blocks is None else f"{args.blocks:,} blocks"
     lines = [
@@ -175,77 +438,138 @@ def _cmd_replay(args: argparse.Namespace, out: io.TextIOBase) -> None:
     if args.reference:
         lines.append(("counting", "every hash id as a full block (Mooncake's published definition)"))
     width = max(len(k) for k, _ in lines)
-    out.write("".join(f"{k:<{width}}  {v}\n" for k, v in lines))
+    return "".join(f"{k:<{width}}  {v}\n" for k, v in lines)
 
 
-def _cmd_sweep(args: argparse.Namespace, out: io.TextIOBase) -> None:
+# ------------------------------------------------------------------ sweep
+
+
+def _sweep_capacities(args: argparse.Namespace, trace: Any, options: dict[str, Any], working_set: int) -> list[int]:
+    """Block counts for --capacities, each checked against the trace before the first replay."""
+    from kvblocks.replay import min_blocks
+
+    least = min_blocks(trace, block_size=options["block_size"], workers=args.workers, reference=args.reference)
+    out = []
+    for item in args.capacities:
+        blocks = max(1, round(working_set * float(item[:-1]) / 100)) if item.endswith("%") else int(item)
+        if blocks > MAX_BLOCKS:
+            raise ConfigError(f"--capacities {item} is {blocks:,} blocks, over the bound {MAX_BLOCKS:,}")
+        if blocks < least:
+            raise ConfigError(
+                f"--capacities {item} is {blocks:,} blocks; {args.workers} worker(s) need at least {least:,} "
+                "to hold the trace's largest request"
+            )
+        out.append(blocks)
+    return out
+
+
+def _columns(args: argparse.Namespace) -> list[str]:
+    names = ["capacity_blocks", "share_of_working_set", "token_hit_rate", "block_hit_rate", "evicted_blocks"]
+    if args.host_blocks or args.storage_blocks:
+        names.append("device_token_hit_rate")
+        names += ["host_token_hit_rate"] if args.host_blocks else []
+        names += ["storage_token_hit_rate"] if args.storage_blocks else []
+    return names
+
+
+def _row(args: argparse.Namespace, capacity: int, working_set: int, result: Any) -> list[object]:
+    row: list[object] = [capacity, f"{capacity / working_set:.4f}", f"{result.token_hit_rate:.6f}"]
+    row += [f"{result.block_hit_rate:.6f}", result.evicted_blocks]
+    total = result.prompt_tokens or 1
+    if args.host_blocks or args.storage_blocks:
+        row.append(f"{result.hit_tokens_device / total:.6f}")
+        row += [f"{result.hit_tokens_host / total:.6f}"] if args.host_blocks else []
+        row += [f"{result.hit_tokens_storage / total:.6f}"] if args.storage_blocks else []
+    return row
+
+
+def _cmd_sweep(args: argparse.Namespace, out: Any) -> None:
     from kvblocks.replay import replay, working_set_blocks
 
+    for path, flag in ((args.csv, "--csv"), (args.plot, "--plot")):
+        if path:
+            _check_output(path, flag)
+    plot = _plotter(args.plot) if args.plot else None
     trace = _load(args.trace)
-    working_set = working_set_blocks(trace, args.block_size)
-    capacities = [
-        max(1, round(working_set * float(c[:-1]) / 100)) if c.endswith("%") else int(c) for c in args.capacities
-    ]
-    plot: Any = None
-    if args.plot:
-        try:
-            importlib.import_module("matplotlib").use("Agg")
-            plot = importlib.import_module("matplotlib.pyplot")
-        except ImportError:
-            raise KVBlocksError('--plot needs matplotlib: pip install "kvblocks[plot]"') from None
-    rows = []
-    for capacity in capacities:
-        result = replay(trace, blocks=capacity, **_replay_options(args))
-        rows.append(
-            (capacity, capacity / working_set, result.token_hit_rate, result.block_hit_rate, result.evicted_blocks)
-        )
-    text = io.StringIO()
-    writer = csv.writer(text, lineterminator="\n")
-    writer.writerow(["capacity_blocks", "share_of_working_set", "token_hit_rate", "block_hit_rate", "evicted_blocks"])
-    for capacity, share, tokens, blocks, evicted in rows:
-        writer.writerow([capacity, f"{share:.4f}", f"{tokens:.6f}", f"{blocks:.6f}", evicted])
-    if args.csv:
-        with open(args.csv, "w", encoding="utf-8") as handle:
-            handle.write(text.getvalue())
-    else:
-        out.write(text.getvalue())
+    options = _replay_options(args, trace)
+    working_set = max(1, working_set_blocks(trace, options["block_size"]))
+    capacities = _sweep_capacities(args, trace, options, working_set)
+    handle = open(args.csv, "w", encoding="utf-8", newline="") if args.csv else None  # noqa: SIM115
+    sink = handle if handle is not None else out
+    progress = _Progress(len(capacities) * len(trace), "kvblocks sweep")
+    rates: list[float] = []
+    try:
+        writer = csv.writer(sink, lineterminator="\n")
+        writer.writerow(_columns(args))
+        for capacity in capacities:
+            result = replay(trace, blocks=capacity, progress=progress.update, **options)
+            rates.append(result.token_hit_rate)
+            progress.clear()
+            writer.writerow(_row(args, capacity, working_set, result))
+            sink.flush()
+    finally:
+        progress.close()
+        if handle is not None:
+            handle.close()
     if plot is not None:
-        figure, axes = plot.subplots(figsize=(6, 4))
-        axes.plot([r[0] for r in rows], [100 * r[2] for r in rows], marker="o")
-        axes.set_xlabel("cache capacity (blocks)")
-        axes.set_ylabel("prefix hit rate (% of prompt tokens)")
-        axes.set_title(trace.name)
-        axes.grid(True, alpha=0.3)
-        figure.tight_layout()
-        figure.savefig(args.plot, dpi=120)
-        plot.close(figure)
+        _draw(plot, args.plot, trace.name, capacities, rates, options["block_size"], working_set)
 
 
-def _cmd_plan(args: argparse.Namespace, out: io.TextIOBase) -> None:
+def _axis_label(block_size: int) -> str:
+    return f"capacity (blocks of {block_size} tokens; % of working set)"
+
+
+def _draw(
+    plot: Any, path: str, title: str, capacities: list[int], rates: list[float], block_size: int, working_set: int
+) -> None:
+    figure, axes = plot.subplots(figsize=(6, 4))
+    axes.plot(capacities, [100 * r for r in rates], marker="o")
+    axes.set_xticks(capacities)
+    axes.set_xticklabels([f"{c:,}\n{100 * c / working_set:.0f}%" for c in capacities], fontsize=8)
+    axes.set_xlabel(_axis_label(block_size))
+    axes.set_ylabel("prefix hit rate (% of prompt tokens)")
+    axes.set_title(f"{title} (working set {working_set:,} blocks)")
+    axes.grid(True, alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plot.close(figure)
+
+
+# ------------------------------------------------------------------ plan
+
+
+_SHAPE_FLAGS = ("layers", "kv_heads", "head_dim")
+
+
+def _spec(args: argparse.Namespace) -> Any:
     from kvblocks.backends.spec import KVCacheSpec
 
+    given = [f"--{n.replace('_', '-')}" for n in _SHAPE_FLAGS if getattr(args, n) is not None]
     if args.model:
+        if given:
+            raise ConfigError(f"--model {args.model} sets the shape: drop {', '.join(given)} (or --model)")
         preset = MODEL_PRESETS[args.model]
         if "mla" in preset:
-            spec = KVCacheSpec.mla(**preset["mla"], dtype=args.dtype, block_size=args.block_size)
-        else:
-            spec = KVCacheSpec(**preset, dtype=args.dtype, block_size=args.block_size)
-    else:
-        missing = [f"--{n}" for n in ("layers", "kv-heads", "head-dim") if getattr(args, n.replace("-", "_")) is None]
-        if missing:
-            raise KVBlocksError(
-                f"give --model or all of --layers, --kv-heads, --head-dim (missing {', '.join(missing)})"
-            )
-        spec = KVCacheSpec(
-            num_layers=args.layers,
-            num_kv_heads=args.kv_heads,
-            head_dim=args.head_dim,
-            dtype=args.dtype,
-            block_size=args.block_size,
-        )
+            return KVCacheSpec.mla(**preset["mla"], dtype=args.dtype, block_size=args.block_size)
+        return KVCacheSpec(**preset, dtype=args.dtype, block_size=args.block_size)
+    missing = [f"--{n.replace('_', '-')}" for n in _SHAPE_FLAGS if getattr(args, n) is None]
+    if missing:
+        raise ConfigError(f"give --model or all of --layers, --kv-heads, --head-dim (missing {', '.join(missing)})")
+    return KVCacheSpec(
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        block_size=args.block_size,
+    )
+
+
+def _cmd_plan(args: argparse.Namespace, out: Any) -> None:
+    spec = _spec(args)
     blocks = spec.num_blocks_for(args.memory)
     plan = {
         "model": args.model,
+        "dtype": spec.dtype,
         "bytes_per_block": spec.bytes_per_block,
         "bytes_per_token": spec.bytes_per_block // spec.block_size,
         "memory_bytes": args.memory,
@@ -256,7 +580,7 @@ def _cmd_plan(args: argparse.Namespace, out: io.TextIOBase) -> None:
         out.write(json.dumps(plan, indent=2) + "\n")
         return
     out.write(
-        f"bytes per block  {spec.bytes_per_block:,} ({spec.block_size} tokens, "
+        f"bytes per block  {spec.bytes_per_block:,} ({spec.block_size} tokens of {spec.dtype}, "
         f"{spec.bytes_per_block // spec.block_size:,} bytes per token)\n"
         f"memory           {args.memory:,} bytes\n"
         f"blocks           {blocks:,}\n"
@@ -264,15 +588,25 @@ def _cmd_plan(args: argparse.Namespace, out: io.TextIOBase) -> None:
     )
 
 
+# ------------------------------------------------------------------ entry point
+
+
+def _status(code: object) -> int:
+    return code if isinstance(code, int) else 0 if code is None else 2
+
+
 def main(argv: Sequence[str] | None = None, out: io.TextIOBase | None = None) -> int:
-    """Run the command; returns the exit status (0, or 2 for a usage or input error)."""
-    args = _parser().parse_args(argv)
+    """Run the command; returns the exit status (0; 2 for a usage or input error, with one line on stderr)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as stop:  # --help, --version, or a usage error argparse already reported
+        return _status(stop.code)
     stream: Any = out if out is not None else sys.stdout
     commands = {"replay": _cmd_replay, "sweep": _cmd_sweep, "plan": _cmd_plan}
     try:
         commands[args.command](args, stream)
     except KVBlocksError as error:
-        print(f"kvblocks {args.command}: {error}", file=sys.stderr)
+        print(f"kvblocks {args.command}: error: {_one_line(str(error))}", file=sys.stderr)
         return 2
     return 0
 

@@ -23,7 +23,31 @@ from kvblocks.events import EventRecord, EventSink
 from kvblocks.manager import KVCacheManager
 from kvblocks.traces import Trace, TraceRequest
 
-__all__ = ["ReplayResult", "replay", "sweep", "working_set_blocks"]
+__all__ = [
+    "LIMITS",
+    "MAX_BLOCKS",
+    "ReplayResult",
+    "check_setting",
+    "min_blocks",
+    "replay",
+    "sweep",
+    "working_set_blocks",
+]
+
+MAX_BLOCKS = 1 << 24
+"""The most device (or host) blocks a replay allocates in all: every block costs about 72 bytes of
+bookkeeping and 0.5 microseconds to set up, so the bound is about 1.2 GB and 9 s before the first
+request. Far beyond a real GPU's pool (an 80 GB GPU holds about 40,000 blocks of llama-3-8b)."""
+
+LIMITS: dict[str, tuple[int, int]] = {
+    "blocks": (1, MAX_BLOCKS),
+    "block_size": (1, 1 << 16),
+    "concurrency": (1, 1 << 20),
+    "workers": (1, 1024),
+    "host_blocks": (0, MAX_BLOCKS),
+    "storage_blocks": (0, 1 << 40),
+}
+"""Inclusive bounds of ``replay``'s integer settings (checked before anything is allocated)."""
 
 
 @dataclass
@@ -92,6 +116,29 @@ def _shape(trace: Trace, request: TraceRequest, block_size: int, reference: bool
     return {"token_ids": request.token_ids}, request.num_tokens // block_size
 
 
+def check_setting(name: str, value: object) -> None:
+    """Refuse a setting outside ``LIMITS`` (before it sizes any allocation)."""
+    low, high = LIMITS[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    if value < low:
+        raise ConfigError(f"{name} must be >= {low}, got {value}")
+    if value > high:
+        raise ConfigError(f"{name} must be <= {high:,}, got {value:,}")
+
+
+def _largest(shapes: Sequence[tuple[dict[str, Any], int]], block_size: int) -> int:
+    return max(-(-_tokens(kw) // block_size) for kw, _ in shapes)
+
+
+def min_blocks(trace: Trace, *, block_size: int = 16, workers: int = 1, reference: bool = False) -> int:
+    """The fewest total blocks ``replay`` accepts: every worker must hold the largest request."""
+    if trace.kind == "hash_ids":
+        block_size = trace.block_tokens or block_size
+    shapes = [_shape(trace, r, block_size, reference) for r in trace.requests]
+    return _largest(shapes, block_size) * workers
+
+
 def working_set_blocks(trace: Trace, block_size: int | None = None) -> int:
     """Distinct full blocks over the whole trace (what an unlimited cache would end up holding)."""
     if trace.kind == "hash_ids":
@@ -127,21 +174,19 @@ def replay(
         block_size = trace.block_tokens or block_size
     elif reference:
         raise ConfigError("reference counting applies to hash-id traces (the published Mooncake figures)")
-    for name, value, low in (
-        ("concurrency", concurrency, 1),
-        ("workers", workers, 1),
-        ("block_size", block_size, 1),
-        ("host_blocks", host_blocks, 0),
-        ("storage_blocks", storage_blocks, 0),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+    settings = {"concurrency": concurrency, "workers": workers, "block_size": block_size}
+    settings.update(host_blocks=host_blocks, storage_blocks=storage_blocks)
+    for name, value in settings.items():
+        check_setting(name, value)
     shapes = [_shape(trace, r, block_size, reference) for r in trace.requests]
-    largest = max(-(-(kw.get("num_tokens") or len(kw["token_ids"])) // block_size) for kw, _ in shapes)
-    if blocks is None:
-        blocks = working_set_blocks(trace, block_size) + largest * concurrency * workers + workers
-    per_worker = blocks // workers if isinstance(blocks, int) else 0
-    if isinstance(blocks, bool) or not isinstance(blocks, int) or per_worker < largest:
+    largest = _largest(shapes, block_size)
+    if blocks is None:  # room for everything; more concurrency than requests changes nothing
+        blocks = working_set_blocks(trace, block_size) + largest * min(concurrency, len(shapes)) * workers + workers
+        if blocks > MAX_BLOCKS:
+            raise ConfigError(f"an unlimited cache for this trace needs {blocks:,} blocks, over {MAX_BLOCKS:,}")
+    check_setting("blocks", blocks)
+    per_worker = blocks // workers
+    if per_worker < largest:
         raise ConfigError(
             f"{blocks} blocks over {workers} worker(s) cannot hold the trace's largest request ({largest} blocks)"
         )

@@ -9,7 +9,10 @@ Two line formats, one JSON object per line, detected per file from its first req
   ``token_ids`` is required); the replayer hashes them.
 
 A malformed line raises :class:`TraceFormatError` naming the file, the line number and what was
-wrong, before any request is replayed, so a partial run is never reported as a result.
+wrong, before any request is replayed, so a partial run is never reported as a result. It is the
+only exception a trace file can provoke: damaged gzip data, bad UTF-8, JSON nested too deeply,
+numbers out of range all become one. Token ids must be in ``[0, 2**32)`` (what the hasher packs),
+hash ids in ``[0, 2**64)`` and distinct within a request (one chain), timestamps finite.
 Files ending in ``.gz`` are read through gzip.
 """
 
@@ -18,16 +21,20 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 import random
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from kvblocks.errors import KVBlocksError
+from kvblocks.hashing import TOKEN_LIMIT
 
 __all__ = [
     "BUNDLED_TRACES",
+    "HASH_ID_LIMIT",
     "MOONCAKE_BLOCK_TOKENS",
     "Trace",
     "TraceFormatError",
@@ -72,42 +79,128 @@ class Trace:
         return len(self.requests)
 
 
+HASH_ID_LIMIT = 1 << 64
+"""Hash ids of a Mooncake trace must be ints in ``[0, 2**64)`` (the published ones are small)."""
+
+
+def _show(value: object, limit: int = 60) -> str:
+    """A short repr for an error message: a line may hold megabytes, or a value Python cannot print."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int over the digit limit, a nesting too deep to print
+        text = f"<{type(value).__name__}>"
+    return _brief(text, limit)
+
+
+def _brief(text: str, limit: int = 120) -> str:
+    """``text`` on one line, at most ``limit`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _int(record: dict[str, object], key: str, where: str, *, required: bool = True, minimum: int = 0) -> int:
     value = record.get(key)
     if value is None and not required:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TraceFormatError(f"{where}: {key!r} must be an int >= {minimum}, got {value!r}")
+        raise TraceFormatError(f"{where}: {key!r} must be an int >= {minimum}, got {_show(value)}")
     return value
 
 
-def _int_list(record: dict[str, object], key: str, where: str) -> tuple[int, ...]:
+def _int_list(record: dict[str, object], key: str, where: str, limit: int) -> tuple[int, ...]:
+    """A list of ints in ``[0, limit)``; the message names the first bad position."""
     value = record.get(key)
-    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
-        raise TraceFormatError(f"{where}: {key!r} must be a list of ints >= 0")
+    if not isinstance(value, list):
+        raise TraceFormatError(f"{where}: {key!r} must be a list of ints in [0, {_power(limit)}), got {_show(value)}")
+    for index, item in enumerate(value):
+        if type(item) is not int or not 0 <= item < limit:
+            raise TraceFormatError(
+                f"{where}: {key!r} must be a list of ints in [0, {_power(limit)}); position {index} is {_show(item)}"
+            )
     return tuple(value)
+
+
+def _power(limit: int) -> str:
+    return f"2**{limit.bit_length() - 1}"
+
+
+def _distinct(ids: tuple[int, ...], where: str) -> None:
+    """One request's hash ids are one chain: a repeat would make it a cycle (the manager refuses it)."""
+    if len(set(ids)) != len(ids):
+        seen: set[int] = set()
+        for index, h in enumerate(ids):
+            if h in seen:
+                raise TraceFormatError(f"{where}: 'hash_ids' position {index} repeats an earlier id ({h})")
+            seen.add(h)
 
 
 def _timestamp(record: dict[str, object], where: str) -> float:
     value = record.get("timestamp", 0)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TraceFormatError(f"{where}: 'timestamp' must be a number, got {value!r}")
-    return float(value)
+        raise TraceFormatError(f"{where}: 'timestamp' must be a number, got {_show(value)}")
+    try:
+        stamp = float(value)
+    except OverflowError:  # an int beyond a float's range
+        stamp = math.inf
+    if not math.isfinite(stamp):
+        raise TraceFormatError(f"{where}: 'timestamp' must be a finite number, got {_show(value)}")
+    return stamp
 
 
-def _parse(lines: Iterator[str], name: str) -> Trace:
+def _record(line: str, where: str) -> dict[str, object]:
+    try:
+        record = json.loads(line)
+    except RecursionError:
+        raise TraceFormatError(f"{where}: not JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError, and an int over Python's digit limit
+        raise TraceFormatError(f"{where}: not JSON ({_brief(str(e))})") from None
+    if not isinstance(record, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def _request(record: dict[str, object], kind: str, where: str) -> TraceRequest:
+    stamp = _timestamp(record, where)
+    output = _int(record, "output_length", where, required=False)
+    if kind == "hash_ids":
+        length = _int(record, "input_length", where, minimum=1)
+        ids = _int_list(record, "hash_ids", where, HASH_ID_LIMIT)
+        blocks = -(-length // MOONCAKE_BLOCK_TOKENS)
+        if len(ids) != blocks:
+            raise TraceFormatError(
+                f"{where}: {len(ids)} hash_ids for {length} tokens; {MOONCAKE_BLOCK_TOKENS}-token blocks need {blocks}"
+            )
+        _distinct(ids, where)
+        return TraceRequest(length, output, stamp, hash_ids=ids)
+    tokens = _int_list(record, "token_ids", where, TOKEN_LIMIT)
+    if not tokens:
+        raise TraceFormatError(f"{where}: 'token_ids' is empty")
+    return TraceRequest(len(tokens), output, stamp, token_ids=tokens)
+
+
+def _lines(handle: Iterable[str], name: str) -> Iterator[tuple[int, str]]:
+    """Numbered lines; a read that fails (bad gzip data, bad UTF-8, a truncated file) names its line."""
+    number = 0
+    reader = iter(handle)
+    while True:
+        try:
+            line = next(reader)
+        except StopIteration:
+            return
+        except (OSError, EOFError, ValueError, zlib.error) as e:  # ValueError: UnicodeDecodeError
+            raise TraceFormatError(f"{name}, line {number + 1}: cannot read it ({_brief(str(e))})") from None
+        number += 1
+        yield number, line
+
+
+def _parse(handle: Iterable[str], name: str) -> Trace:
     requests: list[TraceRequest] = []
     kind: str | None = None
-    for number, line in enumerate(lines, 1):
+    for number, line in _lines(handle, name):
         if not line.strip():
             continue
         where = f"{name}, line {number}"
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise TraceFormatError(f"{where}: not JSON ({e})") from None
-        if not isinstance(record, dict):
-            raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        record = _record(line, where)
         this = "hash_ids" if "hash_ids" in record else "token_ids" if "token_ids" in record else None
         if this is None:
             raise TraceFormatError(f"{where}: a request needs 'hash_ids' (Mooncake) or 'token_ids'")
@@ -115,23 +208,7 @@ def _parse(lines: Iterator[str], name: str) -> Trace:
             kind = this
         elif this != kind:
             raise TraceFormatError(f"{where}: has {this!r} but the file's first request had {kind!r}")
-        stamp = _timestamp(record, where)
-        output = _int(record, "output_length", where, required=False)
-        if this == "hash_ids":
-            length = _int(record, "input_length", where, minimum=1)
-            ids = _int_list(record, "hash_ids", where)
-            blocks = -(-length // MOONCAKE_BLOCK_TOKENS)
-            if len(ids) != blocks:
-                raise TraceFormatError(
-                    f"{where}: {len(ids)} hash_ids for {length} tokens; "
-                    f"{MOONCAKE_BLOCK_TOKENS}-token blocks need {blocks}"
-                )
-            requests.append(TraceRequest(length, output, stamp, hash_ids=ids))
-        else:
-            tokens = _int_list(record, "token_ids", where)
-            if not tokens:
-                raise TraceFormatError(f"{where}: 'token_ids' is empty")
-            requests.append(TraceRequest(len(tokens), output, stamp, token_ids=tokens))
+        requests.append(_request(record, this, where))
     if kind is None:
         raise TraceFormatError(f"{name}: no requests")
     ordered = sorted(requests, key=lambda r: r.timestamp)
@@ -139,23 +216,32 @@ def _parse(lines: Iterator[str], name: str) -> Trace:
 
 
 def load_trace(source: str | Path) -> Trace:
-    """Read a trace file (``.jsonl`` or ``.jsonl.gz``), or a bundled one by name (``BUNDLED_TRACES``)."""
+    """Read a trace file (``.jsonl`` or ``.jsonl.gz``), or a bundled one by name (``BUNDLED_TRACES``).
+
+    Raises only :class:`TraceFormatError`, whatever the file holds.
+    """
     text = str(source)
-    path = Path(text)
-    if not path.exists() and text in BUNDLED_TRACES:
+    try:
+        path = Path(text)
+        exists = path.exists()
+    except (OSError, ValueError) as e:  # an embedded NUL, a name too long
+        raise TraceFormatError(f"{_show(text)}: not a usable path ({e})") from None
+    if not exists and text in BUNDLED_TRACES:
         data = resources.files("kvblocks.data").joinpath(BUNDLED_TRACES[text]).read_bytes()
-        return _parse(iter(io.TextIOWrapper(gzip.GzipFile(fileobj=io.BytesIO(data)), "utf-8")), text)
+        return _parse(io.TextIOWrapper(gzip.GzipFile(fileobj=io.BytesIO(data)), "utf-8"), text)
     try:
         if path.suffix == ".gz":
             with gzip.open(path, "rt", encoding="utf-8") as handle:
-                return _parse(iter(handle), text)
+                return _parse(handle, text)
         with open(path, encoding="utf-8") as handle:
-            return _parse(iter(handle), text)
+            return _parse(handle, text)
+    except TraceFormatError:
+        raise
     except FileNotFoundError:
         known = ", ".join(BUNDLED_TRACES)
         raise TraceFormatError(f"{text}: no such file (bundled traces: {known})") from None
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        raise TraceFormatError(f"{text}: cannot read it ({e})") from None
+    except (OSError, ValueError, EOFError, zlib.error) as e:  # opening it: a directory, no permission
+        raise TraceFormatError(f"{text}: cannot read it ({_brief(str(e))})") from None
 
 
 def synthetic_chat(

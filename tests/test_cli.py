@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import gzip
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvblocks import block_hashes
-from kvblocks.cli import MODEL_PRESETS, main
+from kvblocks.cli import MODEL_PRESETS, _parser, main
 from kvblocks.traces import TraceFormatError, load_trace, synthetic_chat
 
 
@@ -22,6 +26,17 @@ def run(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
     status = main(list(argv), out=out)  # type: ignore[arg-type]
     return status, out.getvalue()
+
+
+def assert_one_error_line(capsys, *fragments: str) -> str:
+    """The error contract: nothing on stdout, exactly one line on stderr, naming the command."""
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.endswith("\n") and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("kvblocks"), captured.err
+    for fragment in fragments:
+        assert fragment in captured.err
+    return captured.err
 
 
 def model_hit_tokens(requests, block_size: int) -> tuple[int, int]:
@@ -122,7 +137,10 @@ def test_token_and_gzip_traces(tmp_path: Path) -> None:
     [
         ('{"hash_ids": [1, 2], "input_length": 600}\nnot json\n', "line 2: not JSON"),
         ('{"hash_ids": [1], "input_length": 600}\n', "line 1: 1 hash_ids for 600 tokens"),
-        ('{"hash_ids": [1, -2], "input_length": 600}\n', "line 1: 'hash_ids' must be a list of ints >= 0"),
+        (
+            '{"hash_ids": [1, -2], "input_length": 600}\n',
+            "line 1: 'hash_ids' must be a list of ints in [0, 2**64); position 1 is -2",
+        ),
         ('{"hash_ids": [1, 2]}\n', "line 1: 'input_length' must be an int >= 1"),
         ('{"prompt": "hi"}\n', "line 1: a request needs 'hash_ids' (Mooncake) or 'token_ids'"),
         ('{"token_ids": [1, 2]}\n{"hash_ids": [1], "input_length": 5}\n', "line 2: has 'hash_ids' but"),
@@ -183,11 +201,10 @@ def test_sweep_plot_needs_matplotlib_or_draws_a_png(tmp_path: Path, capsys) -> N
         assert status == 0 and target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("capacities", ["", "ten", "5%%", "-3"])
-def test_bad_capacities_are_usage_errors(capacities: str) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(["sweep", "mooncake-synthetic", "--capacities", capacities])
-    assert exit_info.value.code == 2
+@pytest.mark.parametrize("capacities", ["", "ten", "5%%", "-3", "0%", "20000%", "99999999999999999999", "1e400%"])
+def test_bad_capacities_are_usage_errors(capacities: str, capsys) -> None:
+    assert main(["sweep", "mooncake-synthetic", "--capacities", capacities]) == 2
+    assert_one_error_line(capsys, "kvblocks sweep: error: argument --capacities")
 
 
 # ---------------------------------------------------------------- plan
@@ -211,8 +228,8 @@ def test_plan_errors(capsys) -> None:
     assert status == 2 and "--kv-heads" in capsys.readouterr().err
     status, _ = run("plan", "--model", "llama-3-8b", "--memory", "1GiB", "--block-size", "12")
     assert status == 2 and "power of two" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["plan", "--model", "llama-3-8b", "--memory", "lots"])
+    assert main(["plan", "--model", "llama-3-8b", "--memory", "lots"]) == 2
+    assert_one_error_line(capsys, "--memory: 'lots' is not a memory size")
 
 
 # ---------------------------------------------------------------- entry points
@@ -259,3 +276,383 @@ def test_replay_reports_storage_hits_and_prints_the_breakdown() -> None:
     assert 0.99 * unlimited <= result["hit_tokens"] <= unlimited  # writes are asynchronous: a few reads miss
     status, text = run("replay", "--blocks", "1500", "--host-blocks", "800", "--storage-blocks", "20000")
     assert status == 0 and "by tier        device" in text and "host" in text and "storage" in text
+
+
+# ---------------------------------------------------------------- every bad input: exit 2, one line, no work
+
+
+def subcommands() -> list[str]:
+    """The subcommands as the parser knows them (not a hard-coded list)."""
+    parser = _parser()
+    (group,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sorted(group.choices)
+
+
+def test_the_subcommands_are_discovered() -> None:
+    assert {"replay", "sweep", "plan"} <= set(subcommands())
+
+
+@pytest.mark.parametrize("command", [[], *[[c] for c in subcommands()]])
+def test_help_of_every_command_prints_usage_and_exits_0(command: list[str], capsys) -> None:
+    assert main([*command, "--help"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"usage: kvblocks {' '.join(command)}".rstrip()) and captured.err == ""
+
+
+def options_of_every_parser() -> list[tuple[str, argparse.Action]]:
+    parser = _parser()
+    (group,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    parsers = [("kvblocks", parser), *group.choices.items()]
+    return [(name, a) for name, p in parsers for a in p._actions if a.option_strings and a.dest != "help"]
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    options = options_of_every_parser()
+    assert len(options) >= 20
+    missing = [f"{name} {action.option_strings[0]}" for name, action in options if not (action.help or "").strip()]
+    assert missing == []
+
+
+def test_version_comes_from_the_installed_metadata(capsys) -> None:
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"kvblocks {version('kvblocks')}\n"
+
+
+def spy_on_work(monkeypatch) -> list[str]:
+    """Record every trace load and replay, so a test can assert the checks came before any work."""
+    import kvblocks.replay
+    import kvblocks.traces
+
+    work: list[str] = []
+    real_load, real_replay = kvblocks.traces.load_trace, kvblocks.replay.replay
+
+    def load(*args, **kwargs):
+        work.append("load")
+        return real_load(*args, **kwargs)
+
+    def replay(*args, **kwargs):
+        work.append("replay")
+        return real_replay(*args, **kwargs)
+
+    monkeypatch.setattr(kvblocks.traces, "load_trace", load)
+    monkeypatch.setattr(kvblocks.replay, "replay", replay)
+    return work
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["replay", "--blocks", "100000000000"], "argument --blocks: must be <= 16,777,216"),
+        (["replay", "--blocks", "99999999999999999999"], "argument --blocks: must be <= 16,777,216"),
+        (["replay", "--blocks", "-5"], "argument --blocks: must be >= 1, got -5"),
+        (["replay", "--blocks", "0"], "argument --blocks: must be >= 1, got 0"),
+        (["replay", "--workers", "0"], "argument --workers: must be >= 1"),
+        (["replay", "--workers", "100000"], "argument --workers: must be <= 1,024"),
+        (["replay", "--concurrency", "-1"], "argument --concurrency: must be >= 1"),
+        (["replay", "--host-blocks", "99999999999"], "argument --host-blocks: must be <= 16,777,216"),
+        (["replay", "--block-size", "0"], "argument --block-size: must be >= 1"),
+        (["replay", "--blocks", "ten"], "argument --blocks: 'ten' is not an integer"),
+        (["sweep", "mooncake-synthetic", "--capacities", "1%", "--block-size", "9999999"], "must be <= 65,536"),
+        (["plan", "--layers", "99999999999", "--kv-heads", "8", "--head-dim", "128", "--memory", "1G"], "<= 1,024"),
+        (["plan", "--model", "llama-3-8b", "--memory", "1G", "--block-size", "-16"], "must be >= 1"),
+        (["plan", "--model", "llama-3-8b", "--memory", "9" * 5000 + "G"], "too large"),
+        (["plan", "--model", "llama-3-8b", "--memory", "2EiB"], "is not a memory size"),
+        (["plan", "--model", "llama-3-8b", "--memory", "2048PiB"], "must be <= 1EiB"),
+        (["nonsense"], "invalid choice"),
+        ([], "required: COMMAND"),
+    ],
+)
+def test_bad_values_are_one_line_errors_before_any_work(argv: list[str], message: str, capsys, monkeypatch) -> None:
+    work = spy_on_work(monkeypatch)
+    started = time.perf_counter()
+    assert main(argv) == 2
+    assert time.perf_counter() - started < 2  # refused, not attempted
+    assert_one_error_line(capsys, message)
+    assert work == []
+
+
+def write_trace(path: Path, lines: list[str]) -> Path:
+    data = ("\n".join(lines) + "\n").encode()
+    path.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)
+    return path
+
+
+GOOD_LINE = json.dumps({"token_ids": list(range(40)), "timestamp": 1})
+
+
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('{"token_ids": ' + "[" * 50_000 + "]" * 50_000 + "}", "nested too deeply"),
+        (
+            '{"token_ids": [1, 4294967296]}',
+            "'token_ids' must be a list of ints in [0, 2**32); position 1 is 4294967296",
+        ),
+        ('{"token_ids": [1, 2.5]}', "position 1 is 2.5"),
+        ('{"token_ids": [1], "timestamp": 1' + "0" * 400 + "}", "'timestamp' must be a finite number"),
+        ('{"token_ids": [1], "timestamp": NaN}', "'timestamp' must be a finite number"),
+        ('{"token_ids": [1], "output_length": "' + "x" * 10_000 + '"}', "'output_length' must be an int >= 0"),
+        ('{"token_ids": [' + "9" * 5000 + "]}", "not JSON"),
+    ],
+    ids=["deep", "deep-ids", "token-2**32", "token-float", "huge-stamp", "nan-stamp", "long-value", "5000-digits"],
+)
+def test_a_bad_line_names_file_line_and_reason_and_nothing_runs(
+    tmp_path: Path, capsys, monkeypatch, line: str, reason: str
+) -> None:
+    for name in ("t.jsonl", "t.jsonl.gz"):
+        path = write_trace(tmp_path / name, [GOOD_LINE, line])
+        work = spy_on_work(monkeypatch)
+        assert main(["replay", str(path)]) == 2
+        error = assert_one_error_line(capsys, f"{path}, line 2: ", reason)
+        assert len(error) < 400 and work == ["load"]
+        with pytest.raises(TraceFormatError, match="line 2"):
+            load_trace(path)
+
+
+def test_repeated_hash_ids_in_one_request_name_their_line(tmp_path: Path, capsys) -> None:
+    path = write_trace(
+        tmp_path / "m.jsonl",
+        [json.dumps({"hash_ids": [7, 8], "input_length": 1024})] * 2
+        + [json.dumps({"hash_ids": [1, 2, 1], "input_length": 1500})],
+    )
+    assert main(["replay", str(path)]) == 2
+    assert_one_error_line(capsys, f"{path}, line 3: 'hash_ids' position 2 repeats an earlier id (1)")
+
+
+def test_every_single_byte_flip_and_truncation_of_a_gzipped_trace_is_a_trace_error_or_a_trace(
+    tmp_path: Path, capsys
+) -> None:
+    lines = [json.dumps({"token_ids": list(range(i, i + 40)), "timestamp": i}) for i in range(6)]
+    good = write_trace(tmp_path / "good.jsonl.gz", lines).read_bytes()
+    damaged = tmp_path / "damaged.jsonl.gz"
+    outcomes = {"error": 0, "loaded": 0}
+    variants = [good[:i] + bytes([good[i] ^ 0x55]) + good[i + 1 :] for i in range(len(good))]
+    variants += [good[:i] for i in range(0, len(good), 7)]
+    for data in variants:
+        damaged.write_bytes(data)
+        try:
+            load_trace(damaged)
+        except TraceFormatError as error:
+            assert str(damaged) in str(error)
+            outcomes["error"] += 1
+            assert run("replay", str(damaged)) == (2, "")
+            assert_one_error_line(capsys, str(damaged))
+        else:
+            outcomes["loaded"] += 1
+    assert outcomes["error"] > len(good) // 2  # most flips damage the stream or its CRC
+
+
+def test_an_unreadable_path_is_a_trace_error(tmp_path: Path, capsys) -> None:
+    assert main(["replay", str(tmp_path)]) == 2  # a directory
+    assert_one_error_line(capsys, f"{tmp_path}: cannot read it")
+
+
+@pytest.mark.parametrize("flag, name", [("--csv", "curve.csv"), ("--plot", "curve.png")])
+def test_an_output_into_a_missing_directory_fails_before_the_sweep(
+    tmp_path: Path, capsys, monkeypatch, flag: str, name: str
+) -> None:
+    work = spy_on_work(monkeypatch)
+    target = tmp_path / "no" / "such" / name
+    assert main(["sweep", "mooncake-synthetic", "--capacities", "5%,100%", flag, str(target)]) == 2
+    assert_one_error_line(capsys, f"{flag} {target}: directory", "does not exist")
+    assert work == []
+    assert main(["sweep", "mooncake-synthetic", "--capacities", "5%", flag, str(tmp_path)]) == 2
+    assert_one_error_line(capsys, "is a directory")
+    assert work == []
+
+
+def test_a_read_only_output_directory_fails_before_the_sweep(tmp_path: Path, capsys, monkeypatch) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # root writes anywhere: ask the question as a normal user would get it
+        monkeypatch.setattr(os, "access", lambda path, mode: False)
+    work = spy_on_work(monkeypatch)
+    assert main(["sweep", "mooncake-synthetic", "--capacities", "5%", "--csv", str(locked / "c.csv")]) == 2
+    assert_one_error_line(capsys, "not writable")
+    assert work == []
+
+
+def test_a_capacity_too_small_for_the_largest_request_fails_before_the_sweep(capsys, monkeypatch) -> None:
+    work = spy_on_work(monkeypatch)
+    assert main(["sweep", "mooncake-synthetic", "--capacities", "100%,10"]) == 2
+    assert_one_error_line(capsys, "--capacities 10 is 10 blocks", "at least 374")  # 374 ids in its longest request
+    assert work == ["load"]
+
+
+def test_a_plot_with_an_unknown_format_fails_before_the_sweep(tmp_path: Path, capsys, monkeypatch) -> None:
+    work = spy_on_work(monkeypatch)
+    assert main(["sweep", "mooncake-synthetic", "--capacities", "5%", "--plot", str(tmp_path / "c.txt")]) == 2
+    assert_one_error_line(capsys, ".png")
+    assert work == []
+
+
+# ---------------------------------------------------------------- papercuts
+
+
+@pytest.mark.parametrize(
+    "memory, size",
+    [
+        ("40G", 40 * 2**30),
+        ("40Gi", 40 * 2**30),
+        ("40GiB", 40 * 2**30),
+        ("40gib", 40 * 2**30),
+        ("40GB", 40 * 10**9),
+        ("512M", 512 * 2**20),
+        ("512MB", 512 * 10**6),
+        ("1.5T", 3 * 2**39),
+        ("2TB", 2 * 10**12),
+        ("64K", 64 * 1024),
+        ("4096", 4096),
+        (" 8 GiB ", 8 * 2**30),
+    ],
+)
+def test_memory_units_binary_and_decimal(memory: str, size: int) -> None:
+    status, text = run("plan", "--model", "llama-3-8b", "--memory", memory, "--json")
+    plan = json.loads(text)
+    assert status == 0 and plan["memory_bytes"] == size and plan["blocks"] == size // (2 * 2**20)
+
+
+@pytest.mark.parametrize("memory", ["0", "0G", "0.0GiB", "0.5B"])
+def test_zero_memory_is_an_error(memory: str, capsys) -> None:
+    assert main(["plan", "--model", "llama-3-8b", "--memory", memory]) == 2
+    assert_one_error_line(capsys, "argument --memory: must be > 0 bytes")
+
+
+@pytest.mark.parametrize(
+    "alias, canonical, element_bytes",
+    [("bf16", "bfloat16", 2), ("fp16", "float16", 2), ("fp8", "float8_e4m3fn", 1), ("FP8_E5M2", "float8_e5m2", 1)],
+)
+def test_dtype_aliases_mean_the_spec_s_names(alias: str, canonical: str, element_bytes: int) -> None:
+    status, text = run("plan", "--model", "llama-3-8b", "--memory", "1G", "--dtype", alias, "--json")
+    plan = json.loads(text)
+    assert status == 0 and plan["dtype"] == canonical
+    assert plan["bytes_per_block"] == 32 * 2 * 8 * 128 * element_bytes * 16
+    assert json.loads(run("plan", "--model", "llama-3-8b", "--memory", "1G", "--dtype", canonical, "--json")[1]) == plan
+
+
+def test_an_unknown_dtype_is_a_usage_error(capsys) -> None:
+    assert main(["plan", "--model", "llama-3-8b", "--memory", "1G", "--dtype", "fp4"]) == 2
+    assert_one_error_line(capsys, "argument --dtype: 'fp4' is not a KV cache dtype", "bf16")
+
+
+@pytest.mark.parametrize("flags", [["--layers", "40"], ["--kv-heads", "2", "--head-dim", "64"]])
+def test_model_with_shape_flags_is_an_error(flags: list[str], capsys) -> None:
+    assert main(["plan", "--model", "llama-3-8b", *flags, "--memory", "1G"]) == 2
+    assert_one_error_line(capsys, "--model llama-3-8b sets the shape: drop " + flags[0])
+
+
+def test_block_size_with_a_mooncake_trace_must_be_its_own(capsys) -> None:
+    for command in (["replay", "mooncake-synthetic"], ["sweep", "mooncake-synthetic", "--capacities", "100%"]):
+        assert main([*command, "--block-size", "16"]) == 2
+        assert_one_error_line(capsys, "--block-size 16: the trace's hash ids are 512-token blocks")
+    status, text = run("replay", "mooncake-synthetic", "--block-size", "512", "--json")
+    assert status == 0 and json.loads(text)["block_size"] == 512
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_sweep_prints_each_row_when_it_finishes_and_progress_only_on_stderr(monkeypatch) -> None:
+    import kvblocks.replay
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # tqdm is an optional extra: the plain line stands in
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    out = io.StringIO()
+    rows_before_each_replay: list[int] = []
+    real = kvblocks.replay.replay
+
+    def replay(*args, **kwargs):
+        rows_before_each_replay.append(out.getvalue().count("\n"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kvblocks.replay, "replay", replay)
+    assert main(["sweep", "mooncake-synthetic", "--capacities", "5%,1000,25%,100%"], out=out) == 0
+    assert rows_before_each_replay == [1, 2, 3, 4]  # the header, then one row per finished capacity
+    rows = list(csv.reader(io.StringIO(out.getvalue())))
+    assert len(rows) == 5 and [r[0] for r in rows[1:]][1] == "1000"
+    assert all(float(cell) >= 0 for r in rows[1:] for cell in r)  # nothing but numbers below the header
+    assert "kvblocks sweep: " in terminal.getvalue() and f"/{4 * 3993:,} requests" in terminal.getvalue()
+
+
+def test_sweep_progress_uses_tqdm_when_installed(monkeypatch) -> None:
+    import types
+
+    bars: list[dict[str, Any]] = []
+
+    class Bar:
+        def __init__(self, **kwargs: Any) -> None:
+            self.kwargs, self.done = kwargs, 0
+            bars.append(self.__dict__)
+
+        def update(self, n: int) -> None:
+            self.done += n
+
+        def clear(self) -> None:
+            pass
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=Bar))
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    status, _ = run("sweep", "mooncake-synthetic", "--capacities", "5%,100%")
+    assert status == 0 and len(bars) == 1
+    assert bars[0]["kwargs"]["file"] is terminal and bars[0]["done"] == bars[0]["kwargs"]["total"] == 2 * 3993
+    assert bars[0]["closed"]
+
+
+def test_sweep_csv_has_a_hit_rate_per_tier_when_tiers_are_given() -> None:
+    argv = ["sweep", "mooncake-synthetic", "--capacities", "5%,25%", "--host-blocks", "800"]
+    status, text = run(*argv, "--storage-blocks", "20000")
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert status == 0 and len(rows) == 2
+    for row in rows:
+        tiers = [float(row[f"{t}_token_hit_rate"]) for t in ("device", "host", "storage")]
+        assert sum(tiers) == pytest.approx(float(row["token_hit_rate"]), abs=3e-6)
+    assert float(rows[0]["storage_token_hit_rate"]) > 0
+    _, host_only = run(*argv)
+    assert next(csv.reader(io.StringIO(host_only)))[-2:] == ["device_token_hit_rate", "host_token_hit_rate"]
+    _, plain = run("sweep", "mooncake-synthetic", "--capacities", "5%")
+    assert "tier" not in plain.splitlines()[0]
+
+
+def test_plot_without_matplotlib_names_the_extra_before_any_work(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    work = spy_on_work(monkeypatch)
+    table, picture = tmp_path / "c.csv", tmp_path / "c.png"
+    argv = ["sweep", "mooncake-synthetic", "--capacities", "5%", "--csv", str(table), "--plot", str(picture)]
+    assert main(argv) == 2
+    assert_one_error_line(capsys, 'pip install "kvblocks[plot]"')
+    assert work == [] and not table.exists() and not picture.exists()
+
+
+def test_the_plot_axis_names_the_block_size_and_the_share_of_the_working_set(tmp_path: Path, monkeypatch) -> None:
+    import types
+
+    calls: dict[str, Any] = {}
+
+    class Axes:
+        def __getattr__(self, name: str) -> Any:
+            return lambda *args, **kwargs: calls.setdefault(name, args)
+
+    class Figure(Axes):
+        pass
+
+    pyplot = types.SimpleNamespace(subplots=lambda **kwargs: (Figure(), Axes()), close=lambda figure: None)
+    monkeypatch.setitem(sys.modules, "matplotlib", types.SimpleNamespace(use=lambda backend: None))
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    trace = write_trace(tmp_path / "t.jsonl", [json.dumps({"token_ids": [k] * 64}) for k in (1, 2, 3)])
+    target = tmp_path / "c.png"
+    argv = ["sweep", str(trace), "--capacities", "50%,100%", "--block-size", "32", "--plot", str(target)]
+    assert run(*argv)[0] == 0
+    assert calls["set_xlabel"] == ("capacity (blocks of 32 tokens; % of working set)",)
+    assert calls["set_xticks"] == ([3, 6],)  # three prompts of two distinct 32-token blocks each
+    assert calls["set_xticklabels"][0] == ["3\n50%", "6\n100%"]
+    assert calls["savefig"] == (str(target),)

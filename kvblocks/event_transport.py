@@ -30,11 +30,11 @@ import time
 from collections import deque
 from typing import Any, Protocol, runtime_checkable
 
-from kvblocks.errors import ConfigError, EventDecodeError, InvalidArgumentError
-from kvblocks.events import EventConsumer, decode_batch
+from kvblocks.errors import ConfigError, InvalidArgumentError
+from kvblocks.event_codec import EventBatch, decode_batch
 from kvblocks.redis_client import connect
 
-__all__ = ["EventTransport", "InProcessTransport", "RedisStreamTransport", "pump"]
+__all__ = ["BatchConsumer", "EventTransport", "InProcessTransport", "RedisStreamTransport", "pump"]
 
 _log = logging.getLogger("kvblocks.events")
 
@@ -52,6 +52,16 @@ class EventTransport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class BatchConsumer(Protocol):
+    """What :func:`pump` feeds: :class:`kvblocks.events.EventConsumer` (named here by shape only,
+    so that this layer does not import the one above it)."""
+
+    malformed: int
+    feed_errors: int
+
+    def feed(self, batch: EventBatch) -> bool: ...
 
 
 def _check_receive_args(max_count: int, timeout_s: float) -> None:
@@ -254,13 +264,17 @@ def _entries(reply: Any) -> list[tuple[Any, dict[Any, Any]]]:
     return out
 
 
-def pump(transport: EventTransport, consumer: EventConsumer, *, max_count: int = 100, timeout_s: float = 0.0) -> int:
+def pump(transport: EventTransport, consumer: BatchConsumer, *, max_count: int = 100, timeout_s: float = 0.0) -> int:
     """Receive, decode and feed every payload available; return how many batches were fed.
 
     Waits up to ``timeout_s`` for the first payload only, then reads until the
-    transport returns fewer than ``max_count`` (caught up). A payload that does not
-    decode is logged, counted in ``consumer.malformed`` and skipped; the batch it was
-    leaves a gap, which the consumer reports.
+    transport returns fewer than ``max_count`` (caught up). No payload stops the loop
+    or costs the payloads received with it: one that does not decode is logged,
+    counted in ``consumer.malformed`` and skipped (the batch it was leaves a gap,
+    which the consumer reports); one whose feeding raises (a callback of the
+    consumer failed; the consumer marks its producer for a resync) is logged with
+    its traceback and counted in ``consumer.feed_errors``. ``KeyboardInterrupt`` and
+    ``SystemExit`` still propagate.
     """
     fed = 0
     wait = timeout_s
@@ -268,13 +282,23 @@ def pump(transport: EventTransport, consumer: EventConsumer, *, max_count: int =
         payloads = transport.receive(max_count, wait)
         wait = 0.0
         for data in payloads:
-            try:
-                batch = decode_batch(data)
-            except EventDecodeError as error:
-                consumer.malformed += 1
-                _log.warning("skipping a malformed KV event payload: %s", error)
-                continue
-            consumer.feed(batch)
-            fed += 1
+            fed += _feed_one(consumer, data)
         if len(payloads) < max_count:
             return fed
+
+
+def _feed_one(consumer: BatchConsumer, data: bytes) -> int:
+    """Decode and feed one payload; 1 if it was fed, 0 if it was skipped (and counted)."""
+    try:
+        batch = decode_batch(data)
+    except Exception as error:  # EventDecodeError by contract; anything else is counted the same way
+        consumer.malformed += 1
+        _log.warning("skipping a malformed KV event payload: %s", error)
+        return 0
+    try:
+        consumer.feed(batch)
+    except Exception:
+        consumer.feed_errors += 1
+        _log.exception("feeding KV event batch %d of %r failed; it awaits a resync", batch.seq, batch.producer)
+        return 0
+    return 1

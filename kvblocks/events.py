@@ -22,39 +22,39 @@ snapshot arrives. Any loss -- a full sink buffer, a dropped message, a transport
 that was down -- therefore shows as a gap, never as a silently wrong view.
 Transports live in :mod:`kvblocks.event_transport`.
 
-Wire format (:func:`encode_batch`): compact JSON, ``{"version": 1, "producer": ...,
-"seq": ..., "ts": ..., "snapshot": ..., "events": [...]}`` with each event a list:
-``["S", tier, hashes, parent]`` (plus ``token_ids`` when known), ``["R", tier,
-hashes]``, ``["C", tier]``. ``hashes`` is ``"W:HEX"`` when all are bytes of width W
-(the usual case: one hex string), else a list of ints and hex strings; ``parent``
-is null, an int or a hex string.
+The event types, :class:`EventBatch` and the wire format (:func:`encode_batch`,
+:func:`decode_batch`) live in :mod:`kvblocks.event_codec`, the layer below both this
+module and the transports; they are re-exported here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kvblocks.errors import (
-    ConfigError,
-    EventDecodeError,
-    InvalidArgumentError,
-    InvalidBlockHashError,
-    InvalidTokenError,
+from kvblocks.errors import ConfigError
+from kvblocks.event_codec import (
+    EVENT_FORMAT_VERSION,
+    MAX_BATCH_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    decode_batch,
+    encode_batch,
 )
-from kvblocks.hashing import BlockHash, hash_from_json, hash_to_json, hashes_from_json, hashes_to_json
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the transport layer is below this one (and never imports it)
     from kvblocks.event_transport import EventTransport
 
 __all__ = [
     "EVENT_FORMAT_VERSION",
+    "MAX_BATCH_SEQ",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -69,37 +69,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("kvblocks.events")
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """Blocks became findable in ``tier``; ``block_hashes`` form a chain hanging off ``parent_hash``.
-
-    ``token_ids``, when a producer knows them, are the tokens of those blocks (in order).
-    """
-
-    block_hashes: tuple[BlockHash, ...]
-    parent_hash: BlockHash | None
-    tier: str
-    token_ids: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Blocks are no longer findable in ``tier``."""
-
-    block_hashes: tuple[BlockHash, ...]
-    tier: str
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    """Every block of ``tier`` was dropped."""
-
-    tier: str
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,141 +141,6 @@ class EventSink:
         out = list(self._buffer)
         self._buffer.clear()
         return out
-
-
-# ---------------------------------------------------------------------- batches and wire format
-
-EVENT_FORMAT_VERSION = 1
-"""The ``version`` field :func:`encode_batch` writes and the only one :func:`decode_batch` reads."""
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatch:
-    """Events of one producer, numbered ``seq`` = 0, 1, 2, ... per producer.
-
-    ``timestamp`` is wall-clock seconds: when the newest event of the batch happened
-    (for a snapshot, when it was taken). A ``snapshot`` batch carries the producer's
-    whole current cache as ``BlockStored`` events, parents before children, and tells
-    consumers to replace what they know of that producer.
-    """
-
-    producer: str
-    seq: int
-    timestamp: float
-    events: tuple[KVEvent, ...]
-    snapshot: bool = False
-
-
-def _is_count(value: object) -> bool:
-    return type(value) is int and value >= 0
-
-
-def _hash_from_json(raw: object) -> BlockHash:
-    try:
-        return hash_from_json(raw)
-    except InvalidBlockHashError as e:
-        raise EventDecodeError(f"{e} in event batch") from None
-
-
-def _hashes_from_json(raw: object) -> tuple[BlockHash, ...]:
-    try:
-        return hashes_from_json(raw)
-    except InvalidBlockHashError as e:
-        raise EventDecodeError(f"{e} in event batch") from None
-
-
-def _event_to_json(event: KVEvent) -> list[Any]:
-    if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
-        raise InvalidArgumentError(f"not a KV event: {event!r}")
-    if type(event.tier) is not str:
-        raise InvalidArgumentError(f"an event's tier must be a str, got {event.tier!r}")
-    if isinstance(event, BlockStored):
-        parent = None if event.parent_hash is None else hash_to_json(event.parent_hash)
-        out: list[Any] = ["S", event.tier, hashes_to_json(event.block_hashes), parent]
-        if event.token_ids is not None:
-            tokens = list(event.token_ids)
-            if not all(_is_count(t) for t in tokens):
-                raise InvalidTokenError(f"token ids of a BlockStored event must be ints >= 0, got {tokens!r}")
-            out.append(tokens)
-        return out
-    if isinstance(event, BlockRemoved):
-        return ["R", event.tier, hashes_to_json(event.block_hashes)]
-    return ["C", event.tier]
-
-
-def _event_from_json(raw: object) -> KVEvent:
-    if type(raw) is not list or not raw or type(raw[0]) is not str or len(raw) < 2 or type(raw[1]) is not str:
-        raise EventDecodeError(f"malformed event {raw!r} in event batch")
-    tag, tier = raw[0], raw[1]
-    if tag == "S" and len(raw) in (4, 5):
-        parent = None if raw[3] is None else _hash_from_json(raw[3])
-        tokens: tuple[int, ...] | None = None
-        if len(raw) == 5:
-            if type(raw[4]) is not list or not all(_is_count(t) for t in raw[4]):
-                raise EventDecodeError(f"malformed token ids {raw[4]!r} in event batch")
-            tokens = tuple(raw[4])
-        return BlockStored(_hashes_from_json(raw[2]), parent, tier, tokens)
-    if tag == "R" and len(raw) == 3:
-        return BlockRemoved(_hashes_from_json(raw[2]), tier)
-    if tag == "C" and len(raw) == 2:
-        return AllBlocksCleared(tier)
-    raise EventDecodeError(f"unknown or malformed event {raw!r} in event batch")
-
-
-def encode_batch(batch: EventBatch) -> bytes:
-    """The batch as compact JSON bytes (see the module docstring for the format).
-
-    >>> batch = EventBatch("w0", 7, 12.5, (BlockStored((b"\\x01\\x02", b"\\x03\\x04"), None, "device"),))
-    >>> encode_batch(batch)
-    b'{"version":1,"producer":"w0","seq":7,"ts":12.5,"snapshot":false,"events":[["S","device","2:01020304",null]]}'
-    >>> decode_batch(encode_batch(batch)) == batch
-    True
-
-    Raises :class:`kvblocks.errors.InvalidArgumentError` (or the hash / token error)
-    for a batch that has no encoding: a hash that is not an int >= 0 or non-empty
-    bytes, a negative or non-int seq, a non-finite timestamp.
-    """
-    if type(batch.producer) is not str or not _is_count(batch.seq) or type(batch.snapshot) is not bool:
-        raise InvalidArgumentError(
-            f"cannot encode batch: producer must be a str, seq an int >= 0 and snapshot a bool, "
-            f"got {batch.producer!r}, {batch.seq!r}, {batch.snapshot!r}"
-        )
-    ts = batch.timestamp
-    if not isinstance(ts, int | float) or isinstance(ts, bool) or not math.isfinite(ts):
-        raise InvalidArgumentError(f"cannot encode batch: timestamp must be a finite number, got {ts!r}")
-    events = [_event_to_json(e) for e in batch.events]
-    raw = {
-        "version": EVENT_FORMAT_VERSION,
-        "producer": batch.producer,
-        "seq": batch.seq,
-        "ts": float(ts),
-        "snapshot": batch.snapshot,
-        "events": events,
-    }
-    return json.dumps(raw, separators=(",", ":")).encode()
-
-
-def decode_batch(data: bytes) -> EventBatch:
-    """Parse :func:`encode_batch` output; anything malformed or of another version raises
-    :class:`kvblocks.errors.EventDecodeError`."""
-    try:
-        raw = json.loads(data if isinstance(data, bytes | bytearray | str) else bytes(data))
-    except (TypeError, ValueError, RecursionError) as error:
-        raise EventDecodeError(f"event batch is not valid JSON: {error}") from None
-    if type(raw) is not dict:
-        raise EventDecodeError("an event batch must be a JSON object")
-    version = raw.get("version")
-    if type(version) is not int or version != EVENT_FORMAT_VERSION:
-        raise EventDecodeError(f"event batch format version {version!r}; this kvblocks reads {EVENT_FORMAT_VERSION}")
-    producer, seq, ts = raw.get("producer"), raw.get("seq"), raw.get("ts")
-    snapshot, events = raw.get("snapshot"), raw.get("events")
-    if type(producer) is not str or type(snapshot) is not bool or type(events) is not list:
-        raise EventDecodeError("malformed event batch: producer, snapshot or events missing or of a wrong type")
-    if type(seq) is not int or seq < 0:
-        raise EventDecodeError(f"malformed event batch: seq {seq!r}")
-    if not isinstance(ts, int | float) or isinstance(ts, bool) or not math.isfinite(ts):
-        raise EventDecodeError(f"malformed event batch: timestamp {ts!r}")
-    return EventBatch(producer, seq, float(ts), tuple(_event_from_json(e) for e in events), snapshot)
 
 
 # ---------------------------------------------------------------------- publisher
@@ -462,6 +296,7 @@ class EventConsumer:
         "_time",
         "batches",
         "duplicates",
+        "feed_errors",
         "gaps",
         "malformed",
         "on_events",
@@ -493,6 +328,8 @@ class EventConsumer:
         self.restarts = 0
         self.malformed = 0
         """Payloads that did not decode (counted by :func:`kvblocks.event_transport.pump`)."""
+        self.feed_errors = 0
+        """Batches whose callback raised inside :func:`kvblocks.event_transport.pump` (which logs and goes on)."""
 
     @property
     def needs_resync(self) -> set[str]:

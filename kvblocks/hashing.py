@@ -53,6 +53,7 @@ import numpy as np
 import xxhash
 
 from kvblocks.errors import ConfigError, InvalidBlockHashError, InvalidTokenError, SequenceStateError
+from kvblocks.strict_json import brief
 
 __all__ = [
     "DEFAULT_SCHEME",
@@ -639,6 +640,10 @@ def hashes_to_json(hashes: Sequence[BlockHash]) -> str | list[int | str]:
     return [hash_to_json(h) for h in hashes]
 
 
+_MAX_WIDTH_DIGITS = 6
+"""A packed width has at most this many digits: ``int()`` of thousands of digits raises a bare ValueError."""
+
+
 def hash_from_json(raw: object) -> BlockHash:
     """The inverse of :func:`hash_to_json`; anything else raises :class:`InvalidBlockHashError`."""
     if type(raw) is int and raw >= 0:
@@ -651,16 +656,18 @@ def hash_from_json(raw: object) -> BlockHash:
         else:
             if 2 * len(h) == len(raw):  # fromhex skips whitespace: refuse it
                 return h
-    raise InvalidBlockHashError(f"malformed block hash {raw!r}")
+    raise InvalidBlockHashError(f"malformed block hash {brief(raw)}")
 
 
 def hashes_from_json(raw: object) -> tuple[BlockHash, ...]:
-    """The inverse of :func:`hashes_to_json`; anything else raises :class:`InvalidBlockHashError`."""
+    """The inverse of :func:`hashes_to_json`; anything else (of any type, size or depth: the input
+    may come from outside the process) raises :class:`InvalidBlockHashError`."""
     if type(raw) is list:
         return tuple(hash_from_json(h) for h in raw)
     if type(raw) is str:
         width, _, hexed = raw.partition(":")
-        w = int(width) if width.isascii() and width.isdigit() else 0
+        digits = width.isascii() and width.isdigit() and len(width) <= _MAX_WIDTH_DIGITS
+        w = int(width) if digits else 0
         if w > 0 and hexed.isascii() and len(hexed) % (2 * w) == 0:
             try:
                 packed = bytes.fromhex(hexed)
@@ -669,4 +676,4 @@ def hashes_from_json(raw: object) -> tuple[BlockHash, ...]:
             else:
                 if 2 * len(packed) == len(hexed):  # fromhex skips whitespace: refuse it
                     return tuple(packed[k : k + w] for k in range(0, len(packed), w))
-    raise InvalidBlockHashError(f"malformed block hashes {raw!r}")
+    raise InvalidBlockHashError(f"malformed block hashes {brief(raw)}")

@@ -258,6 +258,69 @@ def test_malformed_or_other_version_bytes_raise_event_decode_error(data) -> None
     assert isinstance(info.value, KVBlocksError) and isinstance(info.value, ValueError)
 
 
+def _raw(**changes: str) -> bytes:
+    """A valid batch with some fields' JSON text replaced verbatim (what json.dumps cannot write)."""
+    import json
+
+    raw = json.loads(encode_batch(EventBatch("w", 3, 1.5, (stored(*H16[:2]),))))
+    for key in changes:
+        raw[key] = f"@{key}@"
+    text = json.dumps(raw)
+    for key, value in changes.items():
+        text = text.replace(f'"@{key}@"', value)
+    return text.encode()
+
+
+GOOD = encode_batch(EventBatch("w", 3, 1.5, (stored(*H16[:2]),)))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        _payload(events=[["S", "device", "9" * 5000 + ":00", None]]),  # int() of 5000 digits: a bare ValueError
+        _payload(events=[["S", "device", "1" + "0" * 40 + ":00", None]]),  # an absurd width
+        _raw(ts="1" + "0" * 400),  # math.isfinite(int) overflows
+        _raw(ts="-" + "9" * 400),
+        _raw(seq="9" * 5000),  # beyond the digit limit inside json itself
+        _payload(seq=2**63),  # a forged seq would make every later batch a duplicate
+        _payload(events=[["S", "device", "16:" + "00" * 16, None, [2**32]]]),  # token ids are u32
+        _payload(producer="\ud800"),  # a lone surrogate: not text any encoder can write
+        _payload(events=[["C", "\udfff"]]),
+        GOOD.replace(b"{", b'{"seq":4,', 1),  # a repeated key: two readers could disagree
+        GOOD.decode().encode("utf-16"),  # only UTF-8 is JSON between systems
+        GOOD.decode().encode("utf-32"),
+        b"\xef\xbb\xbf" + GOOD,  # a byte-order mark
+        GOOD.replace(b"1.5", b"Infinity"),
+        _payload(events=[["S", "device", [[[[[[[[[[1]]]]]]]]]], None]]),
+        2**62,  # not bytes: bytes(2**62) is a MemoryError
+        None,
+    ],
+    ids=[
+        "width-5000-digits",
+        "width-absurd",
+        "ts-int-beyond-float",
+        "ts-negative-int-beyond-float",
+        "seq-5000-digits",
+        "seq-2**63",
+        "token-2**32",
+        "producer-lone-surrogate",
+        "tier-lone-surrogate",
+        "repeated-key",
+        "utf-16",
+        "utf-32",
+        "bom",
+        "ts-infinity",
+        "nested-hash",
+        "int-not-bytes",
+        "none-not-bytes",
+    ],
+)
+def test_any_outside_bytes_raise_only_event_decode_error(data) -> None:
+    with pytest.raises(EventDecodeError) as info:
+        decode_batch(data)
+    assert isinstance(info.value, KVBlocksError) and isinstance(info.value, ValueError)
+
+
 def test_nan_timestamp_is_refused_both_ways() -> None:
     with pytest.raises(EventDecodeError):
         decode_batch(_payload().replace(b'"ts": 1.5', b'"ts": NaN'))
@@ -283,6 +346,63 @@ def test_batches_without_an_encoding_are_refused_with_a_value_error(batch) -> No
     with pytest.raises(ValueError) as info:
         encode_batch(batch)
     assert isinstance(info.value, KVBlocksError)
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """kvblocks module -> the kvblocks modules it imports anywhere in its source: at the top, in
+    functions and under ``if TYPE_CHECKING:`` alike (a typing-only import is still a dependency)."""
+    import ast
+    import pathlib
+
+    import kvblocks
+
+    root = pathlib.Path(kvblocks.__file__).parent
+    modules: dict[str, pathlib.Path] = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                module = ".".join([*base, node.module] if node.module else base)
+                targets.add(module)
+                targets.update(f"{module}.{alias.name}" for alias in node.names)  # from pkg import module
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_transport_layer_never_imports_the_event_layer_above_it() -> None:
+    graph = _package_imports()
+    for lower in ("kvblocks.event_transport", "kvblocks.event_codec"):
+        assert "kvblocks.events" not in _reachable(graph, lower), f"{lower} imports kvblocks.events"
+    assert not (
+        "kvblocks.event_transport" in _reachable(graph, "kvblocks.events")
+        and "kvblocks.events" in _reachable(graph, "kvblocks.event_transport")
+    )
+
+
+def test_no_kvblocks_module_imports_itself_through_others() -> None:
+    """DESIGN.md: lower layers never import higher ones -- so the import graph has no cycle."""
+    graph = _package_imports()
+    cycles = sorted(name for name in graph if name != "kvblocks" and name in _reachable(graph, name))
+    assert cycles == []
 
 
 def test_import_kvblocks_and_the_event_modules_does_not_load_redis() -> None:
@@ -502,6 +622,69 @@ def test_pump_counts_and_skips_malformed_payloads(caplog) -> None:
     assert index.consumer.malformed == 2 and "malformed" in caplog.text
     assert index.of["a"] == {1: None, 2: 1} and index.gaps == [("a", 2, 3)]
     assert pump(transport, index.consumer) == 0
+
+
+def consumer_state(c: EventConsumer) -> dict:
+    """Everything a payload could change in a consumer, through its public API."""
+    return {
+        "producers": {p: (c.last_seq(p), c.last_event_time(p)) for p in c.producers},
+        "needs_resync": c.needs_resync,
+        "counters": (c.batches, c.gaps, c.duplicates, c.skipped, c.restarts, c.feed_errors),
+    }
+
+
+def test_pump_survives_a_payload_that_raised_a_bare_value_error_and_feeds_the_rest(caplog) -> None:
+    transport = InProcessTransport()
+    index = Index()
+    transport.send(encode_batch(EventBatch("a", 0, 0.0, (stored(1),))))
+    transport.send(_payload(events=[["S", "device", "9" * 5000 + ":00", None]]))
+    transport.send(encode_batch(EventBatch("a", 1, 0.0, (stored(2, parent=1),))))
+    assert pump(transport, index.consumer) == 2
+    assert index.consumer.malformed == 1 and index.of["a"] == {1: None, 2: 1} and not index.gaps
+
+
+@pytest.mark.parametrize("error", [RecursionError, MemoryError, ValueError, TypeError, KeyError, OverflowError])
+def test_pump_survives_any_exception_from_decoding_and_changes_nothing_but_the_count(monkeypatch, error) -> None:
+    import kvblocks.event_transport as event_transport
+
+    real = event_transport.decode_batch
+
+    def decode(data: bytes) -> EventBatch:
+        if data == b"poison":
+            raise error("decoder bug")
+        return real(data)
+
+    monkeypatch.setattr(event_transport, "decode_batch", decode)
+    transport = InProcessTransport()
+    index = Index()
+    transport.send(encode_batch(EventBatch("a", 0, 0.0, (stored(1),))))
+    pump(transport, index.consumer)
+    before = consumer_state(index.consumer)
+    transport.send(b"poison")
+    assert pump(transport, index.consumer) == 0
+    assert consumer_state(index.consumer) == before and index.consumer.malformed == 1
+    transport.send(b"poison")
+    transport.send(encode_batch(EventBatch("a", 1, 0.0, (stored(2, parent=1),))))
+    transport.send(b"poison")
+    assert pump(transport, index.consumer, max_count=2) == 1  # the payload taken with the poison is fed
+    assert index.consumer.malformed == 3 and index.of["a"] == {1: None, 2: 1}
+
+
+def test_pump_survives_a_failing_callback_and_feeds_the_payloads_after_it(caplog) -> None:
+    applied: list[tuple[str, int]] = []
+
+    def on_events(producer: str, events) -> None:
+        if producer == "bad":
+            raise RuntimeError("index bug")
+        applied.append((producer, len(events)))
+
+    consumer = EventConsumer(on_events=on_events, on_snapshot=lambda p, e: None)
+    transport = InProcessTransport()
+    transport.send(encode_batch(EventBatch("bad", 0, 0.0, ())))
+    transport.send(encode_batch(EventBatch("good", 0, 0.0, (stored(1),))))
+    assert pump(transport, consumer) == 1
+    assert applied == [("good", 1)] and consumer.needs_resync == {"bad"}
+    assert consumer.feed_errors == 1 and consumer.malformed == 0 and "index bug" in caplog.text
 
 
 def test_publisher_configuration_errors() -> None:

@@ -1,0 +1,243 @@
+"""KV events as values and as bytes: the event types, :class:`EventBatch` and its wire format.
+
+This is the layer both sides of a transport share. :mod:`kvblocks.events` (sinks,
+publishers, consumers) and :mod:`kvblocks.event_transport` (the transports and
+:func:`~kvblocks.event_transport.pump`) both build on it; it imports neither, so a
+transport never imports the layer that uses it. Everything here is re-exported by
+:mod:`kvblocks.events`, the usual place to import it from.
+
+Wire format (:func:`encode_batch`): compact JSON, ``{"version": 1, "producer": ...,
+"seq": ..., "ts": ..., "snapshot": ..., "events": [...]}`` with each event a list:
+``["S", tier, hashes, parent]`` (plus ``token_ids`` when known), ``["R", tier,
+hashes]``, ``["C", tier]``. ``hashes`` is ``"W:HEX"`` when all are bytes of width W
+(the usual case: one hex string), else a list of ints and hex strings; ``parent``
+is null, an int or a hex string.
+
+:func:`decode_batch` reads bytes from outside (another process, a shared stream):
+whatever they hold, it returns a batch or raises :class:`kvblocks.errors.EventDecodeError`,
+nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+from kvblocks.errors import EventDecodeError, InvalidArgumentError, InvalidBlockHashError, InvalidTokenError
+from kvblocks.hashing import (
+    TOKEN_LIMIT,
+    BlockHash,
+    hash_from_json,
+    hash_to_json,
+    hashes_from_json,
+    hashes_to_json,
+)
+from kvblocks.strict_json import MAX_INT, StrictJSONError, brief, is_text, parse
+
+__all__ = [
+    "EVENT_FORMAT_VERSION",
+    "MAX_BATCH_SEQ",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "KVEvent",
+    "decode_batch",
+    "encode_batch",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks became findable in ``tier``; ``block_hashes`` form a chain hanging off ``parent_hash``.
+
+    ``token_ids``, when a producer knows them, are the tokens of those blocks (in order).
+    """
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_hash: BlockHash | None
+    tier: str
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks are no longer findable in ``tier``."""
+
+    block_hashes: tuple[BlockHash, ...]
+    tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every block of ``tier`` was dropped."""
+
+    tier: str
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+EVENT_FORMAT_VERSION = 1
+"""The ``version`` field :func:`encode_batch` writes and the only one :func:`decode_batch` reads."""
+
+MAX_BATCH_SEQ = MAX_INT
+"""The largest batch number on the wire: a number no producer reaches, but one a forged batch
+could use to make every later batch of its producer look like a duplicate."""
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """Events of one producer, numbered ``seq`` = 0, 1, 2, ... per producer.
+
+    ``timestamp`` is wall-clock seconds: when the newest event of the batch happened
+    (for a snapshot, when it was taken). A ``snapshot`` batch carries the producer's
+    whole current cache as ``BlockStored`` events, parents before children, and tells
+    consumers to replace what they know of that producer.
+    """
+
+    producer: str
+    seq: int
+    timestamp: float
+    events: tuple[KVEvent, ...]
+    snapshot: bool = False
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _is_token(value: object) -> bool:
+    return type(value) is int and 0 <= value < TOKEN_LIMIT
+
+
+def _is_seq(value: object) -> TypeGuard[int]:
+    return type(value) is int and 0 <= value <= MAX_BATCH_SEQ
+
+
+def _is_timestamp(value: object) -> TypeGuard[int | float]:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    if isinstance(value, int):  # math.isfinite(10**400) raises OverflowError
+        return -MAX_INT <= value <= MAX_INT
+    return math.isfinite(value)
+
+
+def _hash_from_json(raw: object) -> BlockHash:
+    try:
+        return hash_from_json(raw)
+    except InvalidBlockHashError as e:
+        raise EventDecodeError(f"{e} in event batch") from None
+
+
+def _hashes_from_json(raw: object) -> tuple[BlockHash, ...]:
+    try:
+        return hashes_from_json(raw)
+    except InvalidBlockHashError as e:
+        raise EventDecodeError(f"{e} in event batch") from None
+
+
+def _event_to_json(event: KVEvent) -> list[Any]:
+    if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
+        raise InvalidArgumentError(f"not a KV event: {event!r}")
+    if type(event.tier) is not str:
+        raise InvalidArgumentError(f"an event's tier must be a str, got {event.tier!r}")
+    if isinstance(event, BlockStored):
+        parent = None if event.parent_hash is None else hash_to_json(event.parent_hash)
+        out: list[Any] = ["S", event.tier, hashes_to_json(event.block_hashes), parent]
+        if event.token_ids is not None:
+            tokens = list(event.token_ids)
+            if not all(_is_token(t) for t in tokens):
+                raise InvalidTokenError(
+                    f"token ids of a BlockStored event must be ints in [0, 2**32), got {brief(tokens)}"
+                )
+            out.append(tokens)
+        return out
+    if isinstance(event, BlockRemoved):
+        return ["R", event.tier, hashes_to_json(event.block_hashes)]
+    return ["C", event.tier]
+
+
+def _event_from_json(raw: object) -> KVEvent:
+    if type(raw) is not list or len(raw) < 2 or type(raw[0]) is not str or not is_text(raw[1]):
+        raise EventDecodeError(f"malformed event {brief(raw)} in event batch")
+    tag, tier = raw[0], raw[1]
+    if tag == "S" and len(raw) in (4, 5):
+        parent = None if raw[3] is None else _hash_from_json(raw[3])
+        tokens: tuple[int, ...] | None = None
+        if len(raw) == 5:
+            if type(raw[4]) is not list or not all(_is_token(t) for t in raw[4]):
+                raise EventDecodeError(f"malformed token ids {brief(raw[4])} in event batch")
+            tokens = tuple(raw[4])
+        return BlockStored(_hashes_from_json(raw[2]), parent, tier, tokens)
+    if tag == "R" and len(raw) == 3:
+        return BlockRemoved(_hashes_from_json(raw[2]), tier)
+    if tag == "C" and len(raw) == 2:
+        return AllBlocksCleared(tier)
+    raise EventDecodeError(f"unknown or malformed event {brief(raw)} in event batch")
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    """The batch as compact JSON bytes (see the module docstring for the format).
+
+    >>> batch = EventBatch("w0", 7, 12.5, (BlockStored((b"\\x01\\x02", b"\\x03\\x04"), None, "device"),))
+    >>> encode_batch(batch)
+    b'{"version":1,"producer":"w0","seq":7,"ts":12.5,"snapshot":false,"events":[["S","device","2:01020304",null]]}'
+    >>> decode_batch(encode_batch(batch)) == batch
+    True
+
+    Raises :class:`kvblocks.errors.InvalidArgumentError` (or the hash / token error)
+    for a batch that has no encoding: a hash that is not an int >= 0 or non-empty
+    bytes, a seq that is not an int in ``0..MAX_BATCH_SEQ``, a non-finite timestamp,
+    a token id outside ``[0, 2**32)``.
+    """
+    if type(batch.producer) is not str or not _is_seq(batch.seq) or type(batch.snapshot) is not bool:
+        raise InvalidArgumentError(
+            f"cannot encode batch: producer must be a str, seq an int in 0..{MAX_BATCH_SEQ} and snapshot a bool, "
+            f"got {brief(batch.producer)}, {brief(batch.seq)}, {brief(batch.snapshot)}"
+        )
+    ts = batch.timestamp
+    if not _is_timestamp(ts):
+        raise InvalidArgumentError(f"cannot encode batch: timestamp must be a finite number, got {brief(ts)}")
+    events = [_event_to_json(e) for e in batch.events]
+    raw = {
+        "version": EVENT_FORMAT_VERSION,
+        "producer": batch.producer,
+        "seq": batch.seq,
+        "ts": float(ts),
+        "snapshot": batch.snapshot,
+        "events": events,
+    }
+    return json.dumps(raw, separators=(",", ":")).encode()
+
+
+def decode_batch(data: bytes) -> EventBatch:
+    """Parse :func:`encode_batch` output; raises :class:`kvblocks.errors.EventDecodeError` and nothing else.
+
+    Refused: anything but one strict JSON object in UTF-8 (see :func:`kvblocks.strict_json.parse`:
+    no repeated keys, no NaN, bounded nesting), another format version, a field of a wrong type
+    or out of its range (a seq beyond ``MAX_BATCH_SEQ``, a token id beyond ``2**32 - 1``, a
+    non-finite timestamp), and a malformed event or hash.
+    """
+    try:
+        raw = parse(data)
+    except StrictJSONError as error:
+        raise EventDecodeError(f"event batch: {error}") from None
+    if type(raw) is not dict:
+        raise EventDecodeError("an event batch must be a JSON object")
+    version = raw.get("version")
+    if type(version) is not int or version != EVENT_FORMAT_VERSION:
+        raise EventDecodeError(
+            f"event batch format version {brief(version)}; this kvblocks reads {EVENT_FORMAT_VERSION}"
+        )
+    producer, seq, ts = raw.get("producer"), raw.get("seq"), raw.get("ts")
+    snapshot, events = raw.get("snapshot"), raw.get("events")
+    if not is_text(producer) or type(snapshot) is not bool or type(events) is not list:
+        raise EventDecodeError("malformed event batch: producer, snapshot or events missing or of a wrong type")
+    if not _is_seq(seq):
+        raise EventDecodeError(f"malformed event batch: seq {brief(seq)}")
+    if not _is_timestamp(ts):
+        raise EventDecodeError(f"malformed event batch: timestamp {brief(ts)}")
+    return EventBatch(producer, seq, float(ts), tuple(_event_from_json(e) for e in events), snapshot)

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
 from kvblocks.errors import (
+    AccountingError,
     ConfigError,
     DuplicateSequenceError,
     HandoffError,
@@ -57,6 +58,7 @@ from kvblocks.hashing import (
     hashes_to_json,
 )
 from kvblocks.manager import BlockTable, KVCacheManager, _Sequence
+from kvblocks.strict_json import MAX_INT, StrictJSONError, brief, is_text, parse
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.manager import TieredKVCacheManager
 
@@ -148,62 +150,86 @@ class PrefillHandoff:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PrefillHandoff:
-        """Parse a handoff; anything malformed or of another format version raises :class:`HandoffError`."""
+        """Parse a handoff; raises :class:`HandoffError` and nothing else.
+
+        The bytes come from another node: anything but one strict JSON object in UTF-8
+        (:func:`kvblocks.strict_json.parse`: bounded nesting, no repeated keys, no NaN), another
+        format version, a field of a wrong type or out of range, or counts that do not fit
+        together is refused.
+        """
         try:
-            raw = json.loads(bytes(data))
-        except (TypeError, ValueError) as e:
-            raise HandoffError(f"handoff is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
+            raw = parse(data)
+        except StrictJSONError as e:
+            raise HandoffError(f"handoff: {e}") from None
+        if type(raw) is not dict:
             raise HandoffError("handoff must be a JSON object")
         version = raw.get("version")
-        if version != HANDOFF_VERSION:
-            raise HandoffError(f"handoff format version {version!r}; this kvblocks reads {HANDOFF_VERSION}")
+        if type(version) is not int or version != HANDOFF_VERSION:
+            raise HandoffError(f"handoff format version {brief(version)}; this kvblocks reads {HANDOFF_VERSION}")
+        missing = _HANDOFF_FIELDS.difference(raw)
+        if missing:
+            raise HandoffError(f"malformed handoff: missing {', '.join(sorted(missing))}")
+        prompt, cached, source = raw["num_prompt_tokens"], raw["cached"], raw["source_blocks"]
+        if not _is_wire_count(prompt) or type(source) is not list:
+            raise HandoffError("malformed handoff: num_prompt_tokens or source_blocks of a wrong type")
+        if type(cached) is not list or len(cached) != 3 or not all(_is_wire_count(c) for c in cached):
+            raise HandoffError(f"malformed handoff: cached must be 3 counts, got {brief(cached)}")
         try:
-            seq_id = raw["seq_id"]
-            prompt = raw["num_prompt_tokens"]
-            cached = raw["cached"]
-            handoff = cls(
-                seq_id=seq_id,
-                num_prompt_tokens=prompt,
-                block_hashes=_hashes_from_json(raw["block_hashes"]),
-                source_blocks=tuple(raw["source_blocks"]),
-                cached=CachedTokens(*cached, num_prompt_tokens=prompt),
-                scheme=raw["scheme"],
-                block_size=raw["block_size"],
-                key_space=raw["key_space"],
-            )
-        except HandoffError:
-            raise
-        except (KeyError, TypeError, ValueError) as e:
-            raise HandoffError(f"malformed handoff: {e!r}") from None
+            cached_tokens = CachedTokens(*cached, num_prompt_tokens=prompt)
+        except AccountingError as e:
+            raise HandoffError(f"malformed handoff: {e}") from None
+        handoff = cls(
+            seq_id=raw["seq_id"],
+            num_prompt_tokens=prompt,
+            block_hashes=_hashes_from_json(raw["block_hashes"]),
+            source_blocks=tuple(source),
+            cached=cached_tokens,
+            scheme=raw["scheme"],
+            block_size=raw["block_size"],
+            key_space=raw["key_space"],
+        )
         handoff.validate()
         return handoff
 
     def validate(self) -> None:
-        """Internal consistency: counts, block ids, hashes against the prompt length (checked once per object)."""
+        """Types, counts, block ids, hashes against the prompt length (checked once per object)."""
         if self.__dict__.get("_validated"):
             return
-        if not isinstance(self.seq_id, (str, int)) or isinstance(self.seq_id, bool):
-            raise HandoffError(f"handoff seq_id must be a str or int, got {type(self.seq_id).__name__}")
+        if not (is_text(self.seq_id) or type(self.seq_id) is int):
+            raise HandoffError(f"handoff seq_id must be a str or an int, got {brief(self.seq_id)}")
         for name in ("num_prompt_tokens", "block_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise HandoffError(f"handoff {name} must be a positive int, got {value!r}")
+            if not _is_wire_count(value) or value == 0:
+                raise HandoffError(f"handoff {name} must be a positive int of at most 63 bits, got {brief(value)}")
+        for name in ("scheme", "key_space"):
+            if not is_text(getattr(self, name)):
+                raise HandoffError(f"handoff {name} must be a str, got {brief(getattr(self, name))}")
+        if type(self.version) is not int:
+            raise HandoffError(f"handoff version must be an int, got {brief(self.version)}")
         size = self.block_size
         if len(self.block_hashes) != self.num_prompt_tokens // size:
             raise HandoffError(
                 f"handoff names {len(self.block_hashes)} full blocks for {self.num_prompt_tokens} tokens of {size}"
             )
-        if len(self.source_blocks) != math.ceil(self.num_prompt_tokens / size):
+        if len(self.source_blocks) != -(-self.num_prompt_tokens // size):
             raise HandoffError(
                 f"handoff has {len(self.source_blocks)} source blocks for {self.num_prompt_tokens} tokens"
             )
-        source = self.source_blocks
-        if not set(map(type, source)) <= {int} or (source and min(source) < 0):
-            raise HandoffError("handoff source blocks must be ints >= 0")
+        if not all(_is_wire_count(b) for b in self.source_blocks):
+            raise HandoffError("handoff source blocks must be ints in 0..2**63-1")
         if not isinstance(self.cached, CachedTokens) or self.cached.num_prompt_tokens != self.num_prompt_tokens:
             raise HandoffError("handoff cached tokens must be a CachedTokens of the same prompt")
         object.__setattr__(self, "_validated", True)  # immutable: once sound, always sound
+
+
+_HANDOFF_FIELDS = frozenset(
+    ("seq_id", "num_prompt_tokens", "block_hashes", "source_blocks", "cached", "scheme", "block_size", "key_space")
+)
+
+
+def _is_wire_count(value: object) -> bool:
+    """An int in ``0..MAX_INT``: what a count or block id on the wire may be (no bools, floats or absurd sizes)."""
+    return type(value) is int and 0 <= value <= MAX_INT
 
 
 # ---------------------------------------------------------------------------------------------- prefill

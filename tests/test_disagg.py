@@ -233,6 +233,74 @@ def test_garbage_is_not_a_handoff(data: bytes) -> None:
         PrefillHandoff.from_bytes(data)
 
 
+def _handoff_text(**changes: str) -> bytes:
+    """A valid handoff with some fields' JSON text replaced verbatim (what json.dumps cannot write)."""
+    h = prefilled(PrefillManager(16, B), "r", prompt(1))
+    raw = json.loads(h.to_bytes())
+    for key in changes:
+        raw[key] = f"@{key}@"
+    text = json.dumps(raw)
+    for key, value in changes.items():
+        text = text.replace(f'"@{key}@"', value)
+    return text.encode()
+
+
+def _valid_handoff_bytes() -> bytes:
+    return prefilled(PrefillManager(16, B), "r", prompt(1)).to_bytes()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"[" * 100_000,  # json's RecursionError
+        b'{"version": 1, "seq_id": ' + b"[" * 100_000,
+        _handoff_text(version="true"),  # True == 1, but a bool is no version
+        _handoff_text(version="1.0"),
+        _handoff_text(num_prompt_tokens="9" * 5000),  # int's digit limit inside json
+        _handoff_text(scheme="5"),  # every field is typed, not only the counts
+        _handoff_text(key_space='["k"]'),
+        _handoff_text(scheme='"\\ud800"'),  # a lone surrogate: no encoder can write it back
+        _handoff_text(seq_id="{}"),
+        _handoff_text(cached="[NaN, 0, 0]"),
+        _handoff_text(cached='"abc"'),
+        _handoff_text(cached="[0, 0, 0, 0]"),
+        _handoff_text(source_blocks="[0, 1, 2, 3, 1180591620717411303424]"),  # 2**70: no block id
+        _handoff_text(source_blocks='"01234"'),
+        _handoff_text(block_hashes='"' + "9" * 5000 + ':00"'),
+        _handoff_text(
+            num_prompt_tokens="1" + "0" * 30, block_size="1" + "0" * 30, block_hashes="[1]", source_blocks="[0]"
+        ),  # consistent, but absurd
+        _valid_handoff_bytes().replace(b"{", b'{"scheme": "sha256", ', 1),  # a repeated key
+        _valid_handoff_bytes().decode().encode("utf-16"),  # only UTF-8 is JSON between systems
+        2**62,  # not bytes: bytes(2**62) is a MemoryError
+    ],
+    ids=[
+        "nesting-100k",
+        "nested-seq-id",
+        "version-true",
+        "version-float",
+        "prompt-5000-digits",
+        "scheme-int",
+        "key-space-list",
+        "scheme-lone-surrogate",
+        "seq-id-object",
+        "cached-nan",
+        "cached-str",
+        "cached-4-counts",
+        "source-block-2**70",
+        "source-blocks-str",
+        "width-5000-digits",
+        "absurd-counts",
+        "repeated-key",
+        "utf-16",
+        "int-not-bytes",
+    ],
+)
+def test_handoff_bytes_from_outside_raise_only_handoff_error(data) -> None:
+    with pytest.raises(HandoffError):
+        PrefillHandoff.from_bytes(data)
+
+
 # ---------------------------------------------------------------- decode
 
 

@@ -72,6 +72,17 @@ def _fixed(text: str, what: str) -> bytes:
     return raw.ljust(16, b"\0")
 
 
+def _byte_view(data: object) -> memoryview | None:
+    """``data`` as a flat view of bytes, or None for a value no backend should have returned."""
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]
+        if not view.c_contiguous:
+            view = memoryview(view.tobytes())
+        return view.cast("B")
+    except (TypeError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class EntryFormat:
     """The header every entry of one cache spec and hash scheme carries, and its codec."""
@@ -117,10 +128,18 @@ class EntryFormat:
         return self._header_prefix() + checksum.to_bytes(8, "little") + view.tobytes()
 
     def decode(self, data: bytes | bytearray | memoryview | None) -> tuple[memoryview | None, str]:
-        """``(payload, "")`` for a sound entry of this format, else ``(None, why it is a miss)``."""
+        """``(payload, "")`` for a sound entry of this format, else ``(None, why it is a miss)``.
+
+        Never raises: the value comes from a shared store anyone may have written. The header is
+        compared whole with the one this format writes, never parsed, so no field of a damaged
+        header (a shape, a dtype, a length) is ever used. A value that is not a byte string, or
+        not contiguous, is the miss ``"not a byte string"``.
+        """
         if data is None:
             return None, "absent"
-        view = memoryview(data).cast("B")
+        view = _byte_view(data)
+        if view is None:
+            return None, "not a byte string"
         if len(view) < HEADER.size:
             return None, "truncated header"
         prefix = self._header_prefix()

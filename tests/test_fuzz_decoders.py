@@ -1,0 +1,510 @@
+"""Fuzzing every decoder of bytes that come from outside the process (issue 12, item 3).
+
+Event batches, prefill handoffs and storage entries arrive from other processes and
+shared stores. Whatever the bytes -- random, or a valid encoding damaged at the byte
+level or at the JSON level -- each decoder returns a value or raises its documented
+error (:class:`EventDecodeError`, :class:`HandoffError`, a storage miss with a reason),
+and the receiver it feeds (an :class:`EventConsumer` through ``pump``, a
+:class:`DecodeManager`, a storage tier) is left as it was or changed only as documented.
+A decoded value must also be re-encodable: the decoders accept nothing their encoders
+would refuse.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvblocks import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CachedTokens,
+    DecodeManager,
+    DuplicateSequenceError,
+    EventBatch,
+    EventConsumer,
+    HandoffError,
+    PrefillHandoff,
+    PrefillManager,
+    decode_batch,
+    encode_batch,
+)
+from kvblocks.errors import EventDecodeError
+from kvblocks.event_transport import InProcessTransport, pump
+from kvblocks.tiers import EntryFormat, MemoryStorage, StorageTier, TierConfig
+from kvblocks.tiers.entry import HEADER
+
+FUZZ = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SMALL = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# ---------------------------------------------------------------------- mutations
+
+
+@st.composite
+def byte_mutations(draw: st.DrawFn, valid: bytes) -> bytes:
+    """``valid`` after one to three byte-level edits: flips, truncation, insertion, deletion, duplication."""
+    data = bytearray(valid)
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, len(data)))
+        op = draw(st.sampled_from(["flip", "truncate", "insert", "delete", "duplicate", "set"]))
+        if op == "flip" and at < len(data):
+            data[at] ^= 1 << draw(st.integers(0, 7))
+        elif op == "set" and at < len(data):
+            data[at] = draw(st.sampled_from(b'{}[]",:0123456789-.eE \\nt\x00\xff\x80'))
+        elif op == "truncate":
+            del data[at:]
+        elif op == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=8))
+        elif op == "delete":
+            del data[at : at + draw(st.integers(1, 16))]
+        elif op == "duplicate":
+            data[at:at] = data[at : at + draw(st.integers(1, 32))]
+    return bytes(data)
+
+
+JSON_LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=2**62, max_value=2**130),
+    st.integers(min_value=-(2**130), max_value=-1),
+    st.sampled_from([2**32, 2**63, 2**64, 10**309, -(10**309)]),  # u32, i64, u64 edges; beyond a float
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(["16:" + "ab" * 16, "2:0102", "0:", "-1:00", "ff", "", "\ud800", "S", "R", "C", "device"]),
+)
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=10,
+)
+
+# JSON text json.dumps cannot write: beyond int's digit limit, deep nesting, NaN, surrogates, huge widths.
+RAW_TEXTS = st.sampled_from(
+    [
+        "9" * 5000,
+        "-" + "9" * 5000,
+        "1" + "0" * 400,
+        "1e999",
+        "-1e999",
+        "NaN",
+        "Infinity",
+        "[" * 3000 + "]" * 3000,
+        '{"a":' * 3000 + "1" + "}" * 3000,
+        "[" * 990 + "]" * 990,
+        '"' + "9" * 5000 + ':00"',
+        '"99999999999:00"',
+        '"\\ud800"',
+        '"\\udfff\\ud800"',
+        "1" * 4300,
+        "18446744073709551616",
+        "9223372036854775808",
+        "4294967296",
+        "-0",
+        "0.0",
+        "true",
+        "[]",
+        "{}",
+    ]
+)
+_HOLE = "\x00hole\x00"
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(value, dict):
+        for key, child in value.items():
+            out += _paths(child, (*prefix, key))
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            out += _paths(child, (*prefix, index))
+    return out
+
+
+def _replace(value: Any, path: tuple[Any, ...], new: Any) -> Any:
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        return {**value, head: _replace(value[head], rest, new)}
+    return [_replace(v, rest, new) if i == head else v for i, v in enumerate(value)]
+
+
+def _similar(node: Any) -> st.SearchStrategy[Any]:
+    if type(node) in (int, float):
+        return st.one_of(
+            st.integers(-2, 2**33),
+            st.integers(2**62, 2**64),
+            st.sampled_from([node - 1, node + 1, 10**309, -(10**309)]),
+            st.floats(allow_nan=False),
+        )
+    if type(node) is str:
+        hexed = node.partition(":")[2]
+        return st.one_of(
+            st.text(max_size=8),
+            st.just(node[:-1]),
+            st.just(node + "00"),
+            st.sampled_from(["1:" + hexed, "32:" + hexed, "0" + node, "9" * 5000 + ":" + hexed]),
+        )
+    if type(node) is list and node:
+        return st.one_of(
+            st.permutations(node).map(list),
+            st.just(node[1:]),
+            st.just(node + node[-1:]),
+            st.just([node[0], *node]),
+        )
+    return JSON_VALUES
+
+
+@st.composite
+def json_mutations(draw: st.DrawFn, valid: bytes) -> bytes:
+    """``valid`` with one node of its JSON replaced by another JSON value, raw JSON text, a deeper
+    nesting of itself, or with a key repeated."""
+    tree = json.loads(valid)
+    path = draw(st.sampled_from(_paths(tree)))
+    kind = draw(st.sampled_from(["similar", "similar", "value", "raw", "nest", "duplicate", "drop"]))
+    if kind == "similar":  # a value of the same JSON type: reaches the checks behind the type checks
+        node = tree
+        for step in path:
+            node = node[step]
+        return json.dumps(_replace(tree, path, draw(_similar(node)))).encode()
+    if kind == "duplicate" and isinstance(tree, dict):
+        key = draw(st.sampled_from(sorted(tree)))
+        text = json.dumps(draw(JSON_VALUES))
+        return valid.replace(b"{", b"{" + json.dumps(key).encode() + b":" + text.encode() + b",", 1)
+    if kind == "drop" and path:
+        parent = tree
+        for step in path[:-1]:
+            parent = parent[step]
+        parent = parent.copy()
+        del parent[path[-1]]
+        return json.dumps(_replace(tree, path[:-1], parent)).encode()
+    if kind == "nest":
+        node = tree
+        for step in path:
+            node = node[step]
+        return json.dumps(_replace(tree, path, [[node]] if draw(st.booleans()) else {"x": node})).encode()
+    if kind == "value":
+        return json.dumps(_replace(tree, path, draw(JSON_VALUES))).encode()
+    text = json.dumps(_replace(tree, path, _HOLE))
+    return text.replace(json.dumps(_HOLE), draw(RAW_TEXTS)).encode()
+
+
+# ---------------------------------------------------------------------- event batches
+
+HASHES = st.one_of(
+    st.lists(st.binary(min_size=16, max_size=16), max_size=4),
+    st.lists(st.integers(0, 2**64 - 1), max_size=4),
+)
+PARENTS = st.one_of(st.none(), st.binary(min_size=16, max_size=16), st.integers(0, 2**64 - 1))
+TIERS = st.sampled_from(["device", "host", "storage"])
+EVENTS = st.one_of(
+    st.builds(
+        lambda h, p, t, tok: BlockStored(tuple(h), p, t, tok),
+        HASHES,
+        PARENTS,
+        TIERS,
+        st.none() | st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)),
+    ),
+    st.builds(lambda h, t: BlockRemoved(tuple(h), t), HASHES, TIERS),
+    st.builds(AllBlocksCleared, TIERS),
+)
+BATCHES = st.builds(
+    EventBatch,
+    st.text(min_size=1, max_size=8),
+    st.integers(0, 2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.lists(EVENTS, max_size=3).map(tuple),
+    st.booleans(),
+)
+VALID_BATCH_BYTES = BATCHES.map(encode_batch)
+
+
+def _check_batch(data: Any) -> None:
+    """``data`` decodes to a batch its encoder accepts and that survives a round trip, or raises EventDecodeError."""
+    try:
+        batch = decode_batch(data)
+    except EventDecodeError:
+        return
+    assert decode_batch(encode_batch(batch)) == batch
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_random_bytes_are_a_batch_or_an_event_decode_error(data: bytes) -> None:
+    _check_batch(data)
+
+
+@FUZZ
+@given(VALID_BATCH_BYTES.flatmap(byte_mutations))
+def test_byte_damaged_batches_are_a_batch_or_an_event_decode_error(data: bytes) -> None:
+    _check_batch(data)
+
+
+@FUZZ
+@given(VALID_BATCH_BYTES.flatmap(json_mutations))
+def test_json_damaged_batches_are_a_batch_or_an_event_decode_error(data: bytes) -> None:
+    _check_batch(data)
+
+
+def _consumer_state(c: EventConsumer) -> tuple[Any, ...]:
+    return (
+        {p: c.last_seq(p) for p in c.producers},
+        c.needs_resync,
+        (c.batches, c.gaps, c.duplicates, c.skipped, c.restarts, c.feed_errors),
+    )
+
+
+def _applying_consumer() -> tuple[EventConsumer, list[tuple[str, int]]]:
+    seen: list[tuple[str, int]] = []
+    consumer = EventConsumer(
+        on_events=lambda p, e: seen.append((p, len(e))), on_snapshot=lambda p, e: seen.append((p, -len(e)))
+    )
+    return consumer, seen
+
+
+@SMALL
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(0, 3),  # batch k of producer "w" (valid)
+            st.binary(max_size=64),
+            VALID_BATCH_BYTES.flatmap(byte_mutations),
+            VALID_BATCH_BYTES.flatmap(json_mutations),
+        ),
+        max_size=8,
+    ),
+    st.integers(1, 4),
+)
+def test_pump_feeds_exactly_what_decodes_and_survives_everything_else(items: list[Any], max_count: int) -> None:
+    payloads = [
+        encode_batch(EventBatch("w", item, 0.0, (AllBlocksCleared("device"),))) if isinstance(item, int) else item
+        for item in items
+    ]
+    transport = InProcessTransport()
+    for data in payloads:
+        transport.send(data)
+    consumer, seen = _applying_consumer()
+    fed = pump(transport, consumer, max_count=max_count)
+    reference, reference_seen = _applying_consumer()
+    decodable = 0
+    for data in payloads:
+        try:
+            batch = decode_batch(data)
+        except EventDecodeError:
+            continue
+        decodable += 1
+        reference.feed(batch)
+    assert len(transport) == 0 and fed == decodable and consumer.malformed == len(payloads) - decodable
+    assert _consumer_state(consumer) == _consumer_state(reference) and seen == reference_seen
+
+
+@SMALL
+@given(st.one_of(st.binary(max_size=64), VALID_BATCH_BYTES.flatmap(json_mutations)))
+def test_an_undecodable_payload_leaves_the_consumer_as_it_was(data: bytes) -> None:
+    try:
+        decode_batch(data)
+    except EventDecodeError:
+        pass
+    else:
+        return  # a decodable payload may change the consumer: that is what it is for
+    consumer, seen = _applying_consumer()
+    transport = InProcessTransport()
+    transport.send(encode_batch(EventBatch("w", 0, 0.0, ())))
+    pump(transport, consumer)
+    before, seen_before = _consumer_state(consumer), list(seen)
+    transport.send(data)
+    assert pump(transport, consumer) == 0
+    assert _consumer_state(consumer) == before and seen == seen_before and consumer.malformed == 1
+
+
+# ---------------------------------------------------------------------- prefill handoffs
+
+BLOCK = 4
+
+
+@st.composite
+def handoffs(draw: st.DrawFn) -> PrefillHandoff:
+    size = draw(st.integers(1, 8))
+    prompt = draw(st.integers(1, 40))
+    full, total = prompt // size, -(-prompt // size)
+    if draw(st.booleans()):
+        hashes = tuple(draw(st.lists(st.binary(min_size=16, max_size=16), min_size=full, max_size=full)))
+    else:
+        hashes = tuple(draw(st.lists(st.integers(0, 2**64 - 1), min_size=full, max_size=full)))
+    device = draw(st.integers(0, prompt))
+    host = draw(st.integers(0, prompt - device))
+    return PrefillHandoff(
+        seq_id=draw(st.text(max_size=6) | st.integers(0, 2**70)),
+        num_prompt_tokens=prompt,
+        block_hashes=hashes,
+        source_blocks=tuple(draw(st.lists(st.integers(0, 2**40), min_size=total, max_size=total))),
+        cached=CachedTokens(device, host, num_prompt_tokens=prompt),
+        scheme=draw(st.sampled_from(["xxh3-128", "sha256", "xxh3-64-1337"])),
+        block_size=size,
+        key_space=draw(st.text(alphabet="0123456789abcdef", min_size=16, max_size=16)),
+    )
+
+
+VALID_HANDOFF_BYTES = handoffs().map(lambda h: h.to_bytes())
+
+
+def _check_handoff(data: Any) -> PrefillHandoff | None:
+    try:
+        handoff = PrefillHandoff.from_bytes(data)
+    except HandoffError:
+        return None
+    assert PrefillHandoff.from_bytes(handoff.to_bytes()) == handoff
+    return handoff
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_random_bytes_are_a_handoff_or_a_handoff_error(data: bytes) -> None:
+    _check_handoff(data)
+
+
+@FUZZ
+@given(VALID_HANDOFF_BYTES.flatmap(byte_mutations))
+def test_byte_damaged_handoffs_are_a_handoff_or_a_handoff_error(data: bytes) -> None:
+    _check_handoff(data)
+
+
+@FUZZ
+@given(VALID_HANDOFF_BYTES.flatmap(json_mutations))
+def test_json_damaged_handoffs_are_a_handoff_or_a_handoff_error(data: bytes) -> None:
+    _check_handoff(data)
+
+
+def _prefilled(seq_id: str, tokens: list[int]) -> bytes:
+    p = PrefillManager(16, BLOCK)
+    p.add_sequence(seq_id, tokens)
+    p.allocate(seq_id, len(tokens))
+    p.commit(seq_id, len(tokens))
+    return p.finish_prefill(seq_id).to_bytes()
+
+
+PROMPT = list(range(100, 111))  # 2 full blocks and a partial one
+OTHER = list(range(200, 209))
+REAL_HANDOFF = _prefilled("r", PROMPT)
+OTHER_HANDOFF = _prefilled("o", OTHER)
+
+
+def _decode_state(d: DecodeManager) -> tuple[Any, ...]:
+    pool = d.pool
+    return (
+        [pool.ref_count(b) for b in range(pool.num_blocks)],
+        list(pool.fresh_order()),
+        list(pool.idle_lru()),
+        sorted(map(repr, d._seqs)),
+        d.num_running,
+        repr(d.decode_counters),
+        d.stats,
+    )
+
+
+@SMALL
+@given(st.one_of(byte_mutations(REAL_HANDOFF), json_mutations(REAL_HANDOFF)))
+def test_a_damaged_handoff_is_refused_or_accepted_whole_by_a_decode_manager(data: bytes) -> None:
+    d = DecodeManager(16, BLOCK, reserve_blocks_per_sequence=1)
+    assert d.accept_handoff(PrefillHandoff.from_bytes(OTHER_HANDOFF), OTHER) is not None  # not an empty node
+    before = _decode_state(d)
+    try:
+        handoff = PrefillHandoff.from_bytes(data)
+        admission = d.accept_handoff(handoff, PROMPT)
+    except (HandoffError, DuplicateSequenceError):
+        assert _decode_state(d) == before
+    else:  # accepted whole (every prompt block mapped), or refused for want of blocks (only counted)
+        if admission is None:
+            assert _decode_state(d)[:5] == before[:5]
+        else:
+            assert len(admission.table) == 3 and d.is_receiving(handoff.seq_id)
+    d.check_integrity()
+
+
+# ---------------------------------------------------------------------- storage entries
+
+FORMAT = EntryFormat("xxh3-128", "bfloat16", (2, 2, 4, 2, 8), 0x1234, 64)
+PAYLOAD = bytes(range(64))
+ENTRY = FORMAT.encode(PAYLOAD)
+MISS_REASONS = {
+    "absent",
+    "truncated header",
+    "bad magic",
+    "other format version",
+    "other scheme, dtype, shape or spec",
+    "truncated payload",
+    "overlong payload",
+    "checksum mismatch",
+    "not a byte string",
+}
+
+
+def _check_entry(data: Any) -> None:
+    payload, reason = FORMAT.decode(data)
+    if payload is None:
+        assert reason in MISS_REASONS
+    else:  # sound only if it is the entry (xxh3-64 collisions aside)
+        assert reason == "" and bytes(data) == ENTRY and bytes(payload) == PAYLOAD
+
+
+@FUZZ
+@given(st.binary(max_size=2 * HEADER.size + 64) | st.binary(max_size=80).map(lambda tail: ENTRY[:40] + tail))
+def test_random_bytes_are_a_storage_miss_with_a_reason(data: bytes) -> None:
+    _check_entry(data)
+
+
+@FUZZ
+@given(byte_mutations(ENTRY))
+def test_damaged_entries_are_misses_with_a_reason(data: bytes) -> None:
+    _check_entry(data)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        memoryview(bytes(b for pair in zip(ENTRY, ENTRY) for b in pair))[::2],  # strided: equal to ENTRY
+        memoryview(bytearray(ENTRY)).cast("B", (1, len(ENTRY))),
+    ],
+)
+def test_a_non_contiguous_or_shaped_view_of_an_entry_decodes(value: memoryview) -> None:
+    payload, reason = FORMAT.decode(value)
+    assert reason == "" and payload is not None and bytes(payload) == PAYLOAD
+
+
+@pytest.mark.parametrize("value", ["text", 12345, object(), [1, 2]])
+def test_a_value_that_is_not_bytes_is_a_miss(value: Any) -> None:
+    assert FORMAT.decode(value) == (None, "not a byte string")
+
+
+@pytest.fixture(scope="module")
+def storage_tier():
+    backend = MemoryStorage()
+    tier = StorageTier(TierConfig(storage=backend, entry_format=FORMAT), "fuzz", "xxh3-128", BLOCK)
+    yield tier, backend
+    tier.close()
+
+
+_LOAD_COUNTERS = ("loads_hit", "loads_missing", "loads_incompatible", "loads_corrupt")
+
+
+@SMALL
+@given(st.one_of(byte_mutations(ENTRY), st.binary(max_size=200)))
+def test_a_damaged_stored_entry_is_one_counted_miss_never_a_failed_read(storage_tier, data: bytes) -> None:
+    tier, backend = storage_tier
+    h = b"\x42" * 16
+    backend.put([(tier.keys_of(h)[0], data)])
+    before = tier.stats.snapshot()
+    request = tier.load([h])
+    assert tier.wait_idle(5.0)
+    ((answered, outcome),) = tier.take_results()
+    after = tier.stats
+    assert answered == request and after.load_errors == before.load_errors
+    changes = {name: getattr(after, name) - getattr(before, name) for name in _LOAD_COUNTERS}
+    assert sum(changes.values()) == 1
+    assert (changes["loads_hit"] == 1) == (data == ENTRY) == (len(outcome.payloads) == 1)

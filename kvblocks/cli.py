@@ -297,6 +297,13 @@ def _check_output(path: str, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: not writable")
 
 
+def _open_csv(path: str) -> Any:
+    try:
+        return open(path, "w", encoding="utf-8", newline="")  # the sweep closes it
+    except OSError as e:
+        raise ConfigError(f"--csv {path}: cannot write it ({e.strerror})") from None
+
+
 def _plotter(path: str) -> Any:
     """matplotlib's pyplot on the file-only Agg backend, or a clear error naming the extra."""
     if Path(path).suffix.lower() not in _PLOT_SUFFIXES:
@@ -494,7 +501,7 @@ def _cmd_sweep(args: argparse.Namespace, out: Any) -> None:
     options = _replay_options(args, trace)
     working_set = max(1, working_set_blocks(trace, options["block_size"]))
     capacities = _sweep_capacities(args, trace, options, working_set)
-    handle = open(args.csv, "w", encoding="utf-8", newline="") if args.csv else None  # noqa: SIM115
+    handle = _open_csv(args.csv) if args.csv else None
     sink = handle if handle is not None else out
     progress = _Progress(len(capacities) * len(trace), "kvblocks sweep")
     rates: list[float] = []

@@ -656,3 +656,21 @@ def test_the_plot_axis_names_the_block_size_and_the_share_of_the_working_set(tmp
     assert calls["set_xticks"] == ([3, 6],)  # three prompts of two distinct 32-token blocks each
     assert calls["set_xticklabels"][0] == ["3\n50%", "6\n100%"]
     assert calls["savefig"] == (str(target),)
+
+
+def test_replay_shows_a_plain_progress_line_on_a_terminal_without_tqdm(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # `from tqdm import tqdm` now raises ImportError
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    status, text = run("replay", "--json")
+    assert status == 0 and json.loads(text)["requests"] == 701  # stdout holds the result only
+    shown = terminal.getvalue()
+    assert "\rkvblocks replay: 701/701 requests" in shown and shown.endswith("\r\x1b[K")  # cleared at the end
+
+
+def test_docs_cli_md_documents_every_flag_and_command() -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    for _, action in options_of_every_parser():
+        assert f"`{action.option_strings[-1]}" in page, action.option_strings
+    for command in subcommands():
+        assert f"kvblocks {command}" in page

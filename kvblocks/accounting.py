@@ -12,11 +12,21 @@ Two rules from other engines' bug reports are enforced here, in code:
 
 from __future__ import annotations
 
+import bisect
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from kvblocks.errors import AccountingError
 
-__all__ = ["CacheStats", "CachedTokens", "HitCounters"]
+__all__ = ["LIFETIME_BUCKETS", "BlockLifetimes", "CacheStats", "CachedTokens", "HitCounters", "Histogram"]
+
+DEFAULT_SAMPLE_EVERY = 32
+"""One evicted block in this many is observed by :class:`BlockLifetimes` by default."""
+
+LIFETIME_BUCKETS: tuple[float, ...] = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 600, 1800, 3600, math.inf)
+"""Upper bounds (seconds) of the block lifetime and idle-before-eviction histograms' buckets."""
 
 
 def _check_count(value: object, what: str) -> int:
@@ -84,6 +94,7 @@ class HitCounters:
         "hit_tokens_device",
         "hit_tokens_host",
         "hit_tokens_storage",
+        "preemptions",
         "queried_tokens",
         "readmission_hit_tokens_device",
         "readmission_hit_tokens_host",
@@ -103,6 +114,7 @@ class HitCounters:
         self.readmission_hit_tokens_device = 0
         self.readmission_hit_tokens_host = 0
         self.readmission_hit_tokens_storage = 0
+        self.preemptions = 0  # sequences preempted (their next admission is a re-admission)
 
     def record(self, cached: CachedTokens, *, readmission: bool) -> None:
         """Count one admitted request and what was cached for it at admission."""
@@ -146,6 +158,7 @@ class CacheStats:
     blocks_in_use: int
     blocks_cached: int
     blocks_fresh: int
+    preemptions: int = 0
 
     @property
     def hit_tokens(self) -> int:
@@ -165,3 +178,70 @@ class CacheStats:
     def usage(self) -> float:
         """Share of blocks held by sequences."""
         return self.blocks_in_use / self.num_blocks
+
+
+class Histogram:
+    """Counts of observed values per bucket (upper bounds inclusive, as Prometheus' ``le``), and their sum."""
+
+    __slots__ = ("_bounds", "bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float] = LIFETIME_BUCKETS) -> None:
+        if not bounds or bounds[-1] != math.inf or list(bounds) != sorted(set(bounds)):
+            raise AccountingError(f"bucket bounds must increase and end with inf, got {bounds!r}")
+        self.bounds = tuple(float(b) for b in bounds)
+        self._bounds = self.bounds[:-1]  # the last bucket (+Inf) takes the rest
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self._bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[int]:
+        """Counts of values <= each bound (what Prometheus exposes)."""
+        out, running = [], 0
+        for c in list(self.counts):  # a copy: a scrape may read while the scheduler observes
+            running += c
+            out.append(running)
+        return out
+
+
+class BlockLifetimes:
+    """How long evicted blocks lived, and how long they sat idle before their eviction.
+
+    Observed only when blocks are evicted, from two timestamps per block id the pool keeps
+    anyway: when it was last handed out fresh (its allocation) and when it last became idle
+    (its last release). One evicted block in ``sample_every`` is observed (every one with 1),
+    as vLLM samples the same pair (``kv_block_lifetime_seconds``,
+    ``kv_block_idle_before_evict_seconds``): the histograms describe the distribution, and
+    ``count * sample_every`` is the number of evictions to within ``sample_every``. Skipping
+    is done by ``islice`` in C, so an evicted block that is not sampled costs nothing.
+    """
+
+    __slots__ = ("_skip", "idle", "lifetime", "sample_every")
+
+    def __init__(self, bounds: Sequence[float] = LIFETIME_BUCKETS, sample_every: int = DEFAULT_SAMPLE_EVERY) -> None:
+        if isinstance(sample_every, bool) or not isinstance(sample_every, int) or sample_every < 1:
+            raise AccountingError(f"sample_every must be an int >= 1, got {sample_every!r}")
+        self.lifetime = Histogram(bounds)
+        self.idle = Histogram(bounds)
+        self.sample_every = sample_every
+        self._skip = 0  # evicted blocks to pass over before the next observed one
+
+    def observe(
+        self, now: float, taken_at: Sequence[float], idle_since: Iterable[tuple[int, float]], evicted: int
+    ) -> None:
+        """Record the first ``evicted`` ``(block, when it became idle)`` pairs of ``idle_since``, evicted at
+        ``now``; ``taken_at[block]`` is when the block was allocated."""
+        step = self.sample_every
+        skip = min(self._skip, step - 1)  # sample_every may have been lowered since
+        lifetime = self.lifetime
+        idle = self.idle
+        for b, released_at in islice(idle_since, skip, evicted, step):
+            lifetime.observe(now - taken_at[b])
+            idle.observe(now - released_at)
+        self._skip = (skip - evicted) % step

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import ClassVar, overload
 
-from kvblocks.accounting import CachedTokens, CacheStats, HitCounters
+from kvblocks.accounting import BlockLifetimes, CachedTokens, CacheStats, HitCounters
 from kvblocks.config import CacheConfig
 from kvblocks.errors import (
     CommitOutOfRangeError,
@@ -96,6 +96,30 @@ class BlockTable(Sequence[int]):
 
     def __repr__(self) -> str:
         return f"BlockTable({self._ids!r})"
+
+
+class _TimedTree(PrefixTree):
+    """The device prefix tree, recording evicted blocks' lifetime and idle time when it evicts them.
+
+    A subclass rather than a hook in :meth:`KVCacheManager._take`, so that every eviction of
+    the device tier -- the tiered and disaggregated managers' own ``_take`` included -- is seen.
+    It costs nothing off the eviction path and allocates nothing per block on it. It relies on
+    the manager's release order (children before parents; ``check_integrity`` checks it): the
+    tree then evicts exactly the idle LRU's first blocks, so their stamps are read there first.
+    """
+
+    __slots__ = ("lifetimes",)
+
+    def __init__(self, pool: BlockPool, *, events: EventSink | None) -> None:
+        super().__init__(pool, tier="device", events=events)
+        self.lifetimes = BlockLifetimes()
+
+    def evict(self, count: int, removed_hashes: list[BlockHash] | None = None) -> list[int]:
+        pool = self.pool
+        idle = pool._idle  # block -> when it became idle; the tree deletes the evicted ones: read them first
+        if type(count) is int and count > 0 and idle:
+            self.lifetimes.observe(pool.clock(), pool._taken_at, idle.items(), min(count, len(idle)))
+        return super().evict(count, removed_hashes)
 
 
 class _Sequence:
@@ -185,7 +209,7 @@ class KVCacheManager:
         self._caching = config.enable_prefix_caching
         self._hasher = BlockHasher(config.block_size, config.hash_scheme, config.namespace)
         self._pool = BlockPool(config.num_blocks)
-        self._tree = PrefixTree(self._pool, tier="device", events=event_sink)
+        self._tree = _TimedTree(self._pool, events=event_sink)
         self._seqs: dict[Hashable, _Sequence] = {}
         self._freed: OrderedDict[Hashable, None] = OrderedDict()
         self._counters = HitCounters()
@@ -461,6 +485,7 @@ class KVCacheManager:
             raise SequenceStateError(f"sequence {seq_id!r} is not admitted; there is nothing to preempt")
         self._release(s)
         s.preempted = True
+        self._counters.preemptions += 1
 
     def _release(self, s: _Sequence) -> None:
         if s.table is None:
@@ -512,6 +537,12 @@ class KVCacheManager:
             blocks_cached=len(self._tree),
             blocks_fresh=pool.num_fresh,
         )
+
+    @property
+    def block_lifetimes(self) -> BlockLifetimes:
+        """Histograms of evicted device blocks' lifetime (allocation to eviction) and idle time (last release to
+        eviction), in seconds of ``pool.clock``. Live objects: read them, do not change them."""
+        return self._tree.lifetimes
 
     def check_integrity(self) -> None:
         """Raise :class:`IntegrityError` on any broken invariant of the pool, the tree or the sequences."""

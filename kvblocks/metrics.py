@@ -40,10 +40,9 @@ import socket
 import threading
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
-from socketserver import TCPServer, ThreadingMixIn
 from typing import TYPE_CHECKING, Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from kvblocks.accounting import LIFETIME_BUCKETS, Histogram
 from kvblocks.disagg import DecodeManager
 from kvblocks.errors import BackendUnavailableError, InvalidArgumentError
 from kvblocks.manager import KVCacheManager
@@ -56,6 +55,7 @@ if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
 __all__ = [
+    "LIFETIME_BUCKETS",
     "OVERLAP_BUCKETS",
     "KVBlocksCollector",
     "MetricsServer",
@@ -180,9 +180,16 @@ _DOCS: dict[str, str] = {
     "kvblocks_readmission_hit_tokens": "Prompt tokens of re-admissions found cached, by the tier that held them.",
     "kvblocks_admissions": "Admitted requests (kind: first admission or re-admission after preemption).",
     "kvblocks_evicted_blocks": "Cached blocks evicted, by tier (storage: entries the backend evicted for room).",
-    "kvblocks_blocks": "Blocks by tier and state (in_use: held; cached: holding a prefix, held or not; "
-    "fresh: empty; total: the tier's size).",
-    "kvblocks_usage_ratio": "device: share of blocks held by sequences; host: share of blocks holding an entry.",
+    "kvblocks_blocks": "Blocks by tier and state; the states partition the tier (they sum to its capacity): "
+    "in_use: referenced (by sequences; on host, by copies in flight or swap-ins); evictable: idle, holding "
+    "cached content; fresh: empty.",
+    "kvblocks_blocks_capacity": "Blocks the tier has.",
+    "kvblocks_usage_ratio": "Share of the tier's blocks in use (referenced), the same for every tier: "
+    "blocks_in_use / capacity. Evictable blocks do not count: an allocation can take them.",
+    "kvblocks_preemptions": "Sequences preempted (their blocks released; a later admission is a re-admission).",
+    "kvblocks_block_lifetime_seconds": "Evicted device blocks' time from allocation to eviction.",
+    "kvblocks_block_idle_before_eviction_seconds": "Evicted device blocks' time from their last release "
+    "(last use) to eviction.",
     "kvblocks_swaps": "Block copies between device and host (out: device to host), by outcome.",
     "kvblocks_host_writes_dropped": "Blocks that were to be copied to host but found no host block to take.",
     "kvblocks_storage_reads": "Blocks read from storage, by outcome (incompatible: another spec's entry; "
@@ -339,16 +346,11 @@ def _collect_manager(f: _Families, name: str, manager: KVCacheManager) -> None:
     f.counter("kvblocks_admissions", {**cache, "kind": "first"}, stats.admissions)
     f.counter("kvblocks_admissions", {**cache, "kind": "readmission"}, stats.readmissions)
     f.counter("kvblocks_evicted_blocks", {**cache, "tier": "device"}, stats.evicted_blocks)
-    device = {
-        "in_use": stats.blocks_in_use,
-        "cached": stats.blocks_cached,
-        "fresh": stats.blocks_fresh,
-        "total": stats.num_blocks,
-    }
-    for state, count in device.items():
-        f.gauge("kvblocks_blocks", {**cache, "tier": "device", "state": state}, count)
-    usage = stats.blocks_in_use / stats.num_blocks if stats.num_blocks else 0.0
-    f.gauge("kvblocks_usage_ratio", {**cache, "tier": "device"}, usage)
+    f.counter("kvblocks_preemptions", cache, stats.preemptions)
+    _blocks(f, {**cache, "tier": "device"}, stats.num_blocks, stats.blocks_in_use, stats.blocks_fresh)
+    lifetimes = manager.block_lifetimes
+    f.histogram("kvblocks_block_lifetime_seconds", cache, *_histogram(lifetimes.lifetime))
+    f.histogram("kvblocks_block_idle_before_eviction_seconds", cache, *_histogram(lifetimes.idle))
     if isinstance(manager, TieredKVCacheManager):
         _collect_tiers(f, cache, manager)
     if isinstance(manager, DecodeManager):
@@ -360,21 +362,30 @@ def _collect_manager(f: _Families, name: str, manager: KVCacheManager) -> None:
         f.counter("kvblocks_decode_transferred_blocks", cache, counters.transferred_blocks)
 
 
+def _blocks(f: _Families, labels: dict[str, str], capacity: int, in_use: int, fresh: int) -> None:
+    """A tier's capacity, its blocks by state and its usage. ``evictable`` is what remains, so the states sum
+    to the capacity exactly even when a scrape reads the counts while the scheduler changes them."""
+    f.gauge("kvblocks_blocks_capacity", labels, capacity)
+    states = {"in_use": in_use, "evictable": capacity - in_use - fresh, "fresh": fresh}
+    for state, count in states.items():
+        f.gauge("kvblocks_blocks", {**labels, "state": state}, count)
+    f.gauge("kvblocks_usage_ratio", labels, in_use / capacity if capacity else 0.0)
+
+
+def _histogram(histogram: Histogram) -> tuple[list[tuple[str, float]], float]:
+    """A histogram's cumulative buckets and sum, as ``HistogramMetricFamily.add_metric`` takes them."""
+    total = histogram.sum
+    cumulative = histogram.cumulative()
+    return [(_bucket_label(b), c) for b, c in zip(histogram.bounds, cumulative, strict=True)], total
+
+
 def _collect_tiers(f: _Families, cache: dict[str, str], manager: TieredKVCacheManager) -> None:
     tiers = manager.tier_stats
     host = manager.host
     if host is not None:
         f.counter("kvblocks_evicted_blocks", {**cache, "tier": "host"}, tiers.host_evicted)
-        states = {
-            "in_use": host.pool.num_in_use,  # held by copies in flight
-            "cached": tiers.host_blocks_cached,
-            "fresh": host.pool.num_fresh,
-            "total": tiers.host_blocks,
-        }
-        for state, count in states.items():
-            f.gauge("kvblocks_blocks", {**cache, "tier": "host", "state": state}, count)
-        usage = tiers.host_blocks_cached / tiers.host_blocks if tiers.host_blocks else 0.0
-        f.gauge("kvblocks_usage_ratio", {**cache, "tier": "host"}, usage)
+        pool = host.pool
+        _blocks(f, {**cache, "tier": "host"}, pool.num_blocks, pool.num_in_use, pool.num_fresh)
         swaps = (
             ("out", "ok", tiers.swap_outs),
             ("out", "failed", tiers.swap_out_failures),
@@ -467,36 +478,15 @@ def exposition(collector: KVBlocksCollector) -> bytes:
     return generate_latest(registry)
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a stderr line each
-        pass
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-    def server_bind(self) -> None:
-        # as HTTPServer.server_bind, without its reverse DNS lookup of the address (slow where DNS is absent)
-        TCPServer.server_bind(self)
-        host, port = self.server_address[:2]
-        self.server_name = str(host)
-        self.server_port = int(port)
-        self.setup_environ()
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
 class MetricsServer:
     """A running metrics endpoint (see :func:`start_http_server`); :meth:`close` stops it."""
 
-    def __init__(self, httpd: _Server, thread: threading.Thread) -> None:
+    def __init__(self, httpd: Any, thread: threading.Thread) -> None:
         self._httpd = httpd
         self._thread = thread
         self._closed = False
-        self.address: str = httpd.server_name
-        self.port: int = httpd.server_port
+        self.address: str = str(httpd.server_address[0])
+        self.port: int = int(httpd.server_address[1])
         """The port bound (the one chosen by the system when 0 was asked for)."""
 
     @property
@@ -505,7 +495,7 @@ class MetricsServer:
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
-        """Stop serving and release the port. Idempotent."""
+        """Stop serving and release the port (takes up to 0.5 s: the server's poll interval). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -526,27 +516,25 @@ class MetricsServer:
 
 
 def start_http_server(collector: KVBlocksCollector, port: int = 0, addr: str = "127.0.0.1") -> MetricsServer:
-    """Serve ``collector`` (in a fresh registry) over HTTP from a daemon thread; any path answers.
+    """Serve ``collector`` (in a fresh registry) over HTTP from a daemon thread, with
+    ``prometheus_client.start_http_server`` (it needs prometheus_client >= 0.20, which returns the server).
 
     ``port=0`` lets the system choose a free port: read it from the returned server's
-    ``port``. (``prometheus_client.start_http_server`` is not used: before 0.20 it did not
-    return the server, so the port it bound could not be known.) Binds ``127.0.0.1`` by
-    default; pass ``addr="0.0.0.0"`` to be scraped from other hosts.
+    ``port``. Binds ``127.0.0.1`` by default; pass ``addr="0.0.0.0"`` to be scraped from other hosts.
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise InvalidArgumentError(f"port must be an int in 0..65535, got {port!r}")
     if not isinstance(addr, str) or not addr:
         raise InvalidArgumentError(f"addr must be a host address, got {addr!r}")
     registry = make_registry(collector)
-    from prometheus_client import make_wsgi_app
+    import prometheus_client
 
     try:
-        family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     except socket.gaierror as error:
         raise InvalidArgumentError(f"cannot bind to {addr!r}: {error}") from None
-    server_class = _Server6 if family == socket.AF_INET6 else _Server
-    httpd = make_server(addr, port, make_wsgi_app(registry), server_class=server_class, handler_class=_QuietHandler)
-    # polls for close() every 0.1 s (the default 0.5 s makes close() that slow)
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.1,), name="kvblocks-metrics", daemon=True)
-    thread.start()
+    started = prometheus_client.start_http_server(port, addr=addr, registry=registry)
+    if started is None:  # before 0.20 the server was not returned: its port and its shutdown were out of reach
+        raise BackendUnavailableError("kvblocks.metrics.start_http_server needs prometheus_client >= 0.20")
+    httpd, thread = started
     return MetricsServer(httpd, thread)

@@ -21,12 +21,19 @@ The content index is the pool's one privileged user: for speed it reads and
 writes ``_ref``, ``_key``, ``_idle`` and ``_fresh`` directly, keeping the states
 above. The manager may call the unchecked ``_acquire_valid`` / ``_release_valid``
 for ids that are valid by construction. Nothing else may do either.
+
+For the block lifetime statistics (:class:`kvblocks.accounting.BlockLifetimes`) the pool
+stamps each block, with its ``clock``, when it is handed out fresh (``_taken_at``) and
+when it becomes idle (the idle LRU's value, which costs nothing more than the ``None``
+it replaces): one clock reading per batch, at transitions that already walk the block.
+The stamps are read when a block is evicted.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, KeysView, Sequence
+from collections.abc import Callable, Iterable, KeysView, Sequence
 
 from kvblocks.errors import ConfigError, DoubleFreeError, IntegrityError, InvalidArgumentError, InvalidBlockIdError
 
@@ -45,15 +52,20 @@ class BlockPool:
     ([2, 3, 1], [0])
     """
 
-    __slots__ = ("_fresh", "_idle", "_key", "_ref", "num_blocks")
+    __slots__ = ("_fresh", "_idle", "_key", "_ref", "_taken_at", "clock", "num_blocks")
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if not callable(clock):
+            raise ConfigError(f"clock must be a callable returning seconds, got {clock!r}")
         self.num_blocks = num_blocks
+        self.clock = clock
+        """Seconds, monotonic: stamps blocks for the lifetime statistics (replace it in tests)."""
+        self._taken_at = [0.0] * num_blocks  # when each block was last handed out fresh
         self._ref = [0] * num_blocks
         self._fresh: deque[int] = deque(range(num_blocks))
-        self._idle: OrderedDict[int, None] = OrderedDict()
+        self._idle: OrderedDict[int, float] = OrderedDict()  # block -> when it became idle
         self._key: list[object | None] = [None] * num_blocks
 
     # ------------------------------------------------------------------ queries
@@ -116,10 +128,13 @@ class BlockPool:
         if type(count) is not int or count < 0 or count > len(fresh):
             raise InvalidArgumentError(f"cannot take {count} fresh blocks: {len(fresh)} are fresh")
         ref = self._ref
+        taken_at = self._taken_at
+        now = self.clock()
         popleft = fresh.popleft
         out = [popleft() for _ in range(count)]
         for b in out:
             ref[b] = 1
+            taken_at[b] = now
         return out
 
     def acquire(self, blocks: Sequence[int]) -> None:
@@ -172,6 +187,7 @@ class BlockPool:
         idle = self._idle
         fresh_append = self._fresh.append
         key = self._key
+        now = self.clock()
         for b in blocks:
             r = ref[b] - 1
             ref[b] = r
@@ -179,7 +195,7 @@ class BlockPool:
                 if key[b] is None:
                     fresh_append(b)
                 else:
-                    idle[b] = None
+                    idle[b] = now
 
     def mark_cached(self, block: int, key: object = True) -> None:
         """Record that ``block`` (in use) now holds content findable under ``key``: at ref 0 it becomes IDLE."""

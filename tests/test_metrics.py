@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvblocks import DecodeManager, KVCacheManager, PrefillManager, TieredDecodeManager
@@ -85,9 +89,10 @@ def test_hits_readmissions_evictions_and_usage_of_a_scripted_sequence(served) ->
     assert value(s, "kvblocks_evicted_blocks_total", **cache, tier="device") == 2
     device = {**cache, "tier": "device"}
     assert value(s, "kvblocks_blocks", **device, state="in_use") == 6
-    assert value(s, "kvblocks_blocks", **device, state="total") == 6
-    assert value(s, "kvblocks_blocks", **device, state="cached") == 0  # c has committed nothing yet
+    assert value(s, "kvblocks_blocks_capacity", **device) == 6
+    assert value(s, "kvblocks_blocks", **device, state="evictable") == 0  # c has committed nothing yet
     assert value(s, "kvblocks_blocks", **device, state="fresh") == 0
+    assert value(s, "kvblocks_preemptions_total", **cache) == 1  # b
     assert value(s, "kvblocks_usage_ratio", **device) == 1.0
     host_series = {name for name, labels in s if ("tier", "host") in labels}
     assert host_series == {"kvblocks_prefix_hit_tokens_total", "kvblocks_readmission_hit_tokens_total"}  # no host tier
@@ -96,7 +101,7 @@ def test_hits_readmissions_evictions_and_usage_of_a_scripted_sequence(served) ->
     m.free("c")
     s = scrape(url)  # gauges follow the manager; counters do not go back
     assert value(s, "kvblocks_blocks", **device, state="in_use") == 0
-    assert value(s, "kvblocks_blocks", **device, state="cached") == 6
+    assert value(s, "kvblocks_blocks", **device, state="evictable") == 6
     assert value(s, "kvblocks_usage_ratio", **device) == 0.0
     assert value(s, "kvblocks_prefix_queried_tokens_total", **cache) == 47
 
@@ -161,11 +166,11 @@ def test_host_hits_swaps_storage_writes_and_reads(served) -> None:
         assert value(s, "kvblocks_storage_written_bytes_total", **cache) == 9 * entry_bytes
         assert value(s, "kvblocks_evicted_blocks_total", **cache, tier="storage") == 0
         host = {**cache, "tier": "host"}
-        assert value(s, "kvblocks_blocks", **host, state="total") == 6
-        assert value(s, "kvblocks_blocks", **host, state="cached") == 6
+        assert value(s, "kvblocks_blocks_capacity", **host) == 6
+        assert value(s, "kvblocks_blocks", **host, state="evictable") == 6
         assert value(s, "kvblocks_blocks", **host, state="in_use") == 0
         assert value(s, "kvblocks_blocks", **host, state="fresh") == 0
-        assert value(s, "kvblocks_usage_ratio", **host) == 1.0
+        assert value(s, "kvblocks_usage_ratio", **host) == 0.0  # nothing in flight: all 6 are evictable
     finally:
         m.close(timeout=1)
 
@@ -187,9 +192,9 @@ def test_host_blocks_held_by_copies_in_flight_are_in_use_until_the_plan_complete
         samples = [s for f in families if f.name == "kvblocks_blocks" for s in f.samples]
         return {s.labels["state"]: s.value for s in samples if s.labels["tier"] == "host"}
 
-    assert host_blocks() == {"in_use": 4, "cached": 0, "fresh": 4, "total": 8}
+    assert host_blocks() == {"in_use": 4, "evictable": 0, "fresh": 4}
     m.complete_transfers(plan)
-    assert host_blocks() == {"in_use": 0, "cached": 4, "fresh": 4, "total": 8}
+    assert host_blocks() == {"in_use": 0, "evictable": 4, "fresh": 4}
 
 
 def test_a_tiered_decode_node_exports_its_handoffs_and_its_tiers() -> None:
@@ -209,7 +214,7 @@ def test_a_tiered_decode_node_exports_its_handoffs_and_its_tiers() -> None:
     samples = {(s.name, frozenset(s.labels.items())): s.value for f in families for s in f.samples}
     assert value(samples, "kvblocks_decode_handoffs_total", cache="d", result="accepted") == 2
     assert value(samples, "kvblocks_decode_transferred_blocks_total", cache="d") == 6
-    assert value(samples, "kvblocks_blocks", cache="d", tier="host", state="cached") == 2  # written back
+    assert value(samples, "kvblocks_blocks", cache="d", tier="host", state="evictable") == 2  # written back
 
 
 # ---------------------------------------------------------------- routers
@@ -361,3 +366,243 @@ def test_a_closed_server_stops_answering() -> None:
     server.close()  # idempotent
     with pytest.raises(OSError):
         urllib.request.urlopen(server.url, timeout=2)
+
+
+# ---------------------------------------------------------------- the docs table is what the exporter serves
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+SUFFIX = {"counter": "_total", "gauge": "", "histogram": ""}
+
+
+def documented_series() -> dict[str, tuple[str, frozenset[str]]]:
+    """{series name: (type, label names)} from the table of docs/metrics.md."""
+    out: dict[str, tuple[str, frozenset[str]]] = {}
+    for line in DOC.read_text().splitlines():
+        if not line.startswith("| `kvblocks_"):
+            continue
+        name, kind, labels = (cell.strip() for cell in line.strip("|").split("|")[:3])
+        assert name.strip("`") not in out, f"{name} is documented twice"
+        out[name.strip("`")] = (kind, frozenset(re.findall(r"`(\w+)`", labels)))
+    return out
+
+
+def served_series(url: str) -> dict[str, tuple[str, frozenset[str]]]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    out: dict[str, tuple[str, frozenset[str]]] = {}
+    for family in text_string_to_metric_families(text):
+        labels = frozenset(k for sample in family.samples for k in sample.labels if k != "le")
+        out[family.name + SUFFIX[family.type]] = (family.type, labels)
+    return out
+
+
+def every_kind_of_source(collector: KVBlocksCollector) -> list[TieredKVCacheManager]:
+    """Managers of every kind metrics knows (plain, tiered with host and storage, prefill, decode, tiered
+    decode) and a router with an observer, each having done something."""
+    plain = KVCacheManager(4, B)
+    plain.add_sequence("a", list(range(9)))
+    plain.allocate("a", 9)
+    tiered = TieredKVCacheManager(
+        4, B, tiers=TierConfig(num_host_blocks=2, storage=MemoryStorage(), entry_format=FORMAT)
+    )
+    prefill = PrefillManager(num_blocks=8, block_size=B)
+    prefill.add_sequence(1, list(range(10)))
+    prefill.allocate(1, 10)
+    prefill.commit(1, 10)
+    decode = DecodeManager(num_blocks=6, block_size=B, reserve_blocks_per_sequence=1)
+    decode.accept_handoff(prefill.finish_prefill(1), list(range(10)))
+    tiered_decode = TieredDecodeManager(4, B, tiers=TierConfig(num_host_blocks=4), reserve_blocks_per_sequence=0)
+    router = Router(["w0", "w1"], RouterConfig(block_size=B))
+    observer = RouterMetrics()
+    observer.route(router, list(range(9))).release()
+    for name, manager in (("plain", plain), ("tiered", tiered), ("prefill", prefill), ("decode", decode)):
+        collector.add_manager(name, manager)
+    collector.add_manager("tiered_decode", tiered_decode)
+    collector.add_router("front", router, observer)
+    return [tiered, tiered_decode]
+
+
+def test_the_docs_table_lists_exactly_the_series_the_exporter_serves(served) -> None:
+    collector, url = served
+    closing = every_kind_of_source(collector)
+    try:
+        served, documented = served_series(url), documented_series()
+    finally:
+        for manager in closing:
+            manager.close(timeout=1)
+    assert sorted(set(served) - set(documented)) == []  # served, not documented
+    assert sorted(set(documented) - set(served)) == []  # documented, not served
+    wrong = {name: (documented[name], got) for name, got in served.items() if documented[name] != got}
+    assert wrong == {}
+
+
+# ---------------------------------------------------------------- block states, capacity, usage
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "allocate", "commit", "free", "preempt"]),
+        st.integers(0, 3),  # which sequence
+        st.lists(st.integers(0, 2), min_size=1, max_size=12),  # a prompt over a small alphabet: shared prefixes
+    ),
+    max_size=25,
+)
+
+
+def device_blocks(collector: KVBlocksCollector, tier: str = "device") -> tuple[dict[str, float], float, float]:
+    """(blocks by state, capacity, usage ratio) of the one manager in ``collector``, from collect()."""
+    states: dict[str, float] = {}
+    capacity = usage = -1.0
+    for family in collector.collect():
+        for sample in family.samples:
+            if sample.labels.get("tier") != tier:
+                continue
+            if family.name == "kvblocks_blocks":
+                states[sample.labels["state"]] = sample.value
+            elif family.name == "kvblocks_blocks_capacity":
+                capacity = sample.value
+            elif family.name == "kvblocks_usage_ratio":
+                usage = sample.value
+    return states, capacity, usage
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=OPS)
+def test_block_states_partition_the_pool_and_usage_is_the_share_in_use(ops) -> None:
+    m = KVCacheManager(num_blocks=6, block_size=2)
+    collector = KVBlocksCollector()
+    collector.add_manager("m", m)
+    for op, i, prompt in ops:
+        seq = f"s{i}"
+        if op == "add" and seq not in m:
+            m.add_sequence(seq, prompt)
+        elif seq in m and op == "allocate":
+            m.allocate(seq, 1 if m.is_admitted(seq) else m.num_tokens(seq))
+        elif seq in m and op == "commit" and m.is_admitted(seq):
+            m.commit(seq, min(m.num_tokens(seq), len(m.block_table(seq)) * 2))
+        elif seq in m and op == "free":
+            m.free(seq)
+        elif seq in m and op == "preempt" and m.is_admitted(seq):
+            m.preempt(seq)
+        states, capacity, usage = device_blocks(collector)
+        pool = m.pool
+        assert capacity == 6 and set(states) == {"in_use", "evictable", "fresh"}
+        assert sum(states.values()) == capacity  # disjoint states covering the pool
+        assert (states["in_use"], states["evictable"], states["fresh"]) == (
+            pool.num_in_use,
+            pool.num_idle,
+            pool.num_fresh,
+        )
+        assert usage == states["in_use"] / capacity
+
+
+def test_the_host_tier_has_the_same_states_capacity_and_usage() -> None:
+    collector = KVBlocksCollector()
+    m = TieredKVCacheManager(5, B, tiers=TierConfig(num_host_blocks=8))
+    collector.add_manager("t", m)
+    m.add_sequence("a", list(range(17)))
+    m.allocate("a", 17)
+    m.commit("a", 17)
+    m.free("a")
+    m.add_sequence("b", list(range(100, 117)))
+    m.allocate("b", 17)  # 4 host blocks reserved for copies in flight
+    assert device_blocks(collector, "host") == ({"in_use": 4, "evictable": 0, "fresh": 4}, 8, 0.5)
+    m.complete_transfers(m.take_transfers())
+    assert device_blocks(collector, "host") == ({"in_use": 0, "evictable": 4, "fresh": 4}, 8, 0.0)
+    assert device_blocks(collector, "device") == ({"in_use": 5, "evictable": 0, "fresh": 0}, 5, 1.0)
+
+
+# ---------------------------------------------------------------- preemptions and block lifetimes
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lifetime_and_idle_before_eviction_histograms_with_a_fake_clock(served) -> None:
+    collector, url = served
+    clock = FakeClock()
+    m = KVCacheManager(num_blocks=4, block_size=B)
+    m.pool.clock = clock
+    m.block_lifetimes.sample_every = 1  # every evicted block observed (the default samples)
+    collector.add_manager("gpu0", m)
+    m.add_sequence("a", list(range(9)))
+    m.allocate("a", 9)  # t=0: blocks 0, 1, 2 are allocated
+    m.commit("a", 9)  # 0 and 1 are full: cached
+    clock.now = 5.0
+    m.free("a")  # 1 and 0 idle since 5; 2 (partial) goes back fresh
+    clock.now = 10.0
+    m.add_sequence("c", [*range(8), 99])
+    m.allocate("c", 1)  # a hit on 0 and 1: in use again (their allocation stays t=0); block 3 taken
+    clock.now = 20.0
+    m.free("c")  # 1 and 0 idle since 20
+    clock.now = 70.0
+    m.add_sequence("b", list(range(100, 116)))
+    m.allocate("b", 16)  # 4 blocks: 3 and 2 are fresh, 1 and 0 are evicted at t=70
+    m.preempt("b")
+
+    s = scrape(url)
+    cache = {"cache": "gpu0"}
+    assert value(s, "kvblocks_evicted_blocks_total", **cache, tier="device") == 2
+    assert value(s, "kvblocks_preemptions_total", **cache) == 1
+    lifetime = "kvblocks_block_lifetime_seconds"  # 70 s each: in (60, 300]
+    assert value(s, f"{lifetime}_count", **cache) == 2 and value(s, f"{lifetime}_sum", **cache) == 140
+    assert value(s, f"{lifetime}_bucket", **cache, le="60.0") == 0
+    assert value(s, f"{lifetime}_bucket", **cache, le="300.0") == 2
+    idle = "kvblocks_block_idle_before_eviction_seconds"  # 50 s each (since the release at 20): in (30, 60]
+    assert value(s, f"{idle}_count", **cache) == 2 and value(s, f"{idle}_sum", **cache) == 100
+    assert value(s, f"{idle}_bucket", **cache, le="30.0") == 0
+    assert value(s, f"{idle}_bucket", **cache, le="60.0") == 2
+    assert value(s, f"{idle}_bucket", **cache, le="+Inf") == 2
+    from kvblocks.accounting import LIFETIME_BUCKETS
+
+    assert m.block_lifetimes.idle.counts[LIFETIME_BUCKETS.index(60)] == 2
+
+
+def test_one_evicted_block_in_sample_every_is_observed_across_batches() -> None:
+    from kvblocks.accounting import DEFAULT_SAMPLE_EVERY
+
+    clock = FakeClock()
+    m = KVCacheManager(num_blocks=4, block_size=B)
+    m.pool.clock = clock
+    m.block_lifetimes.sample_every = 2
+    for round_, base in enumerate((0, 100, 200)):
+        clock.now = 10.0 * round_
+        m.add_sequence(base, list(range(base, base + 13)))
+        m.allocate(base, 13)  # 4 blocks; from the second round on, the 3 cached ones before are evicted
+        m.commit(base, 13)
+        m.free(base)
+    assert m.stats.evicted_blocks == 6
+    lifetime = m.block_lifetimes.lifetime
+    # evicted: 3 at t=10 and 3 at t=20, each having lived 10 s: the 1st, 3rd and 5th of the six are observed
+    assert lifetime.count == 3 and lifetime.sum == 10 + 10 + 10
+    assert DEFAULT_SAMPLE_EVERY == KVCacheManager(1, B).block_lifetimes.sample_every == 32
+
+
+def test_a_chain_evicted_in_one_batch_is_observed_from_the_lru_head_only() -> None:
+    """A manager's chain (children released first) is evicted in one batch: exact times per block."""
+    clock = FakeClock()
+    m = KVCacheManager(num_blocks=4, block_size=B)
+    m.pool.clock = clock
+    m.block_lifetimes.sample_every = 1
+    m.add_sequence("a", list(range(13)))
+    m.allocate("a", 13)  # t=0: 4 blocks; 3 full ones cached at commit
+    m.commit("a", 13)
+    clock.now = 2.0
+    m.free("a")  # 2, 1, 0 idle since 2 (leaf first); 3 fresh
+    clock.now = 7.0
+    m.add_sequence("b", list(range(100, 113)))
+    m.allocate("b", 13)  # evicts the whole chain at t=7
+    idle, lifetime = m.block_lifetimes.idle, m.block_lifetimes.lifetime
+    assert (idle.count, idle.sum, lifetime.sum) == (3, 3 * 5, 3 * 7)
+
+
+def test_the_endpoint_is_prometheus_clients_own_server_bound_to_loopback() -> None:
+    with start_http_server(KVBlocksCollector()) as server:
+        assert server.address == "127.0.0.1" and server.port > 0
+        assert type(server._httpd).__module__.startswith("prometheus_client")
+        with urllib.request.urlopen(server.url, timeout=5) as response:
+            assert response.status == 200

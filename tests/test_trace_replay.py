@@ -77,3 +77,35 @@ def test_small_pool_evicts_and_stays_consistent(fraction: float) -> None:
     assert 0 < stats.hit_tokens < model_hits(requests)
     assert stats.blocks_in_use == 0 and stats.blocks_cached + stats.blocks_fresh == pool
     m.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"blocks": 100_000_000_000}, "blocks must be <= 16,777,216"),
+        ({"blocks": 10**20}, "blocks must be <= 16,777,216"),
+        ({"blocks": 0}, "blocks must be >= 1"),
+        ({"host_blocks": 10**11}, "host_blocks must be <= 16,777,216"),
+        ({"workers": 10**6}, "workers must be <= 1,024"),
+        ({"concurrency": 0}, "concurrency must be >= 1"),
+    ],
+)
+def test_replay_refuses_sizes_beyond_its_bounds_before_allocating(settings: dict[str, int], message: str) -> None:
+    import time
+
+    from kvblocks.errors import ConfigError
+    from kvblocks.replay import replay
+    from kvblocks.traces import synthetic_chat
+
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match=message):
+        replay(synthetic_chat(conversations=5), **settings)
+    assert time.perf_counter() - started < 2  # refused, not attempted (it used to allocate until MemoryError)
+
+
+def test_an_unlimited_cache_does_not_grow_with_concurrency_beyond_the_trace() -> None:
+    from kvblocks.replay import replay
+    from kvblocks.traces import synthetic_chat
+
+    trace = synthetic_chat(conversations=5)
+    assert replay(trace, concurrency=10**6).capacity_blocks == replay(trace, concurrency=len(trace)).capacity_blocks

@@ -16,6 +16,7 @@ trace are checked before any replay starts, so no work is thrown away for a typo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import importlib
 import io
@@ -613,6 +614,14 @@ def main(argv: Sequence[str] | None = None, out: io.TextIOBase | None = None) ->
     try:
         commands[args.command](args, stream)
     except KVBlocksError as error:
+        print(f"kvblocks {args.command}: error: {_one_line(str(error))}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # the reader left (`kvblocks sweep ... | head`): stop quietly, as a shell tool does
+        if stream is sys.stdout:
+            with contextlib.suppress(OSError):  # the interpreter's final flush must not fail again
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
+    except OSError as error:  # an output that failed midway (disk full); rows written so far stay written
         print(f"kvblocks {args.command}: error: {_one_line(str(error))}", file=sys.stderr)
         return 2
     return 0

@@ -674,3 +674,42 @@ def test_docs_cli_md_documents_every_flag_and_command() -> None:
         assert f"`{action.option_strings[-1]}" in page, action.option_strings
     for command in subcommands():
         assert f"kvblocks {command}" in page
+
+
+class _FailingOutput(io.StringIO):
+    """Stdout that accepts ``ok`` writes, then fails the way a closed pipe or a full disk does."""
+
+    def __init__(self, error: OSError, ok: int) -> None:
+        super().__init__()
+        self.error, self.ok = error, ok
+
+    def write(self, text: str) -> int:
+        if self.ok <= 0:
+            raise self.error
+        self.ok -= 1
+        return super().write(text)
+
+
+def test_a_reader_that_leaves_early_ends_the_sweep_quietly(capsys) -> None:
+    out = _FailingOutput(BrokenPipeError(32, "Broken pipe"), ok=2)
+    assert main(["sweep", "mooncake-synthetic", "--capacities", "5%,25%,100%"], out=out) == 141
+    assert capsys.readouterr().err == ""  # no traceback, no message: `| head` is not an error
+    assert out.getvalue().count("\n") >= 1  # what was written before the reader left stays written
+
+
+def test_a_disk_that_fills_midway_is_one_error_line(capsys) -> None:
+    out = _FailingOutput(OSError(28, "No space left on device"), ok=2)
+    assert main(["sweep", "mooncake-synthetic", "--capacities", "5%,25%,100%"], out=out) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvblocks sweep: error: ") and "No space left" in err
+
+
+def test_sweep_into_a_closed_pipe_prints_no_traceback() -> None:
+    code = "import sys\nfrom kvblocks.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    argv = [sys.executable, "-c", code, "sweep", "mooncake-synthetic", "--capacities", "5%,10%,25%,50%,100%"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()  # the header, then the reader goes away, as `| head -1` does
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err

@@ -151,13 +151,19 @@ def test_redis_killed_mid_run_serving_continues_and_resumes_when_it_is_back(priv
     work = Workload(seed=1, num_prefixes=6)  # 30 prefix blocks: more than device and host hold
     served: dict[str, list[int]] = {}
 
+    scheduling = [0.0]  # seconds spent in the engine's scheduling calls, writes' settling excluded
+
     def serve_some(tag: str, count: int) -> None:
         for i in range(count):
             tokens = work.prompt()
             served[f"{tag}{i}"] = tokens
+            start = time.monotonic()
             sim.serve(f"{tag}{i}", tokens)  # add_sequence/lookup/allocate/plans/poll_loads/commit/free
+            scheduling[0] += time.monotonic() - start
             m.check_integrity()
-            assert m.flush(5)  # writes settle between requests: the run is the same every time
+            # writes settle between requests (the run is the same every time); against a dead server each
+            # of a batch's two calls (exists, put) is bounded by the documented retry bound
+            assert m.flush(2 * (3 * 2 * 0.3 + 2 * 0.5) + 1)
         sim.check_cached()
 
     try:
@@ -171,9 +177,10 @@ def test_redis_killed_mid_run_serving_continues_and_resumes_when_it_is_back(priv
 
         private_redis.stop()  # killed mid-run
         before = m.stats
-        start = time.monotonic()
+        scheduling[0] = 0.0
         serve_some("b", 40)
-        assert time.monotonic() - start < 8  # every failed call is bounded by the socket timeout
+        # the scheduling calls never wait on the dead server: its reads time out as misses (storage_timeout_s)
+        assert scheduling[0] < 8
         assert m.flush(10)
         after = m.stats
         down = m.tier_stats

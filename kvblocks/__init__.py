@@ -41,6 +41,7 @@ from kvblocks.errors import (
     InvalidTokenError,
     KVBlocksError,
     SequenceStateError,
+    StaleLookupError,
     UnknownSequenceError,
 )
 from kvblocks.events import (
@@ -127,6 +128,7 @@ __all__ = [
     "DuplicateSequenceError",
     "DoubleFreeError",
     "SequenceStateError",
+    "StaleLookupError",
     "CommitOutOfRangeError",
     "InvalidBlockIdError",
     "AccountingError",

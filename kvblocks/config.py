@@ -33,6 +33,10 @@ class CacheConfig:
     namespace: Namespace | str = "default"
     enable_prefix_caching: bool = True
     """When False, nothing is ever cached or matched: every request computes its whole prompt."""
+    reserved_blocks: int = 0
+    """Free blocks an admission must leave, so that running sequences can grow (vLLM's watermark)."""
+    drop_last_matched_block: bool = False
+    """A hit gives up its last matched block (EAGLE / MTP drafters need that block's hidden states)."""
 
     def __post_init__(self) -> None:
         _positive_int(self.num_blocks, "num_blocks")
@@ -42,3 +46,8 @@ class CacheConfig:
         object.__setattr__(self, "namespace", Namespace.of(self.namespace))
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        reserve = self.reserved_blocks
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or not 0 <= reserve < self.num_blocks:
+            raise ConfigError(f"reserved_blocks must be an int in [0, num_blocks), got {reserve!r}")
+        if not isinstance(self.drop_last_matched_block, bool):
+            raise ConfigError(f"drop_last_matched_block must be a bool, got {self.drop_last_matched_block!r}")

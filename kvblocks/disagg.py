@@ -260,21 +260,15 @@ class PrefillManager(KVCacheManager):
         self._first_cached: dict[Hashable, CachedTokens] = {}
         self._transferring: dict[Hashable, PrefillHandoff] = {}
 
-    def allocate(self, seq_id: Hashable, num_new_tokens: int) -> BlockTable | None:
-        self._get(seq_id)
+    def _check_can_change(self, seq_id: Hashable, s: _Sequence, what: str) -> None:
         if seq_id in self._transferring:
-            raise SequenceStateError(f"sequence {seq_id!r} was handed off; it cannot grow here")
-        return super().allocate(seq_id, num_new_tokens)
+            raise SequenceStateError(f"sequence {seq_id!r} was handed off; it cannot {what} here")
+        super()._check_can_change(seq_id, s, what)
 
     def _admitted(self, seq_id: Hashable, cached: CachedTokens, readmission: bool) -> None:
         super()._admitted(seq_id, cached, readmission)
         # the first admission's hits are the request's; a re-admission would count its own blocks
         self._first_cached.setdefault(seq_id, cached)
-
-    def commit(self, seq_id: Hashable, num_computed_tokens: int) -> None:
-        if seq_id in self._transferring:
-            raise SequenceStateError(f"sequence {seq_id!r} was handed off; it cannot commit here")
-        super().commit(seq_id, num_computed_tokens)
 
     def finish_prefill(self, seq_id: Hashable) -> PrefillHandoff:
         """The prompt's KV is written: describe it for the decode node. The blocks stay held until
@@ -547,13 +541,9 @@ class DecodeManager(KVCacheManager):
         if seq_id in self._receiving:
             raise SequenceStateError(f"sequence {seq_id!r} is receiving its prompt's KV; it cannot {what} yet")
 
-    def allocate(self, seq_id: Hashable, num_new_tokens: int) -> BlockTable | None:
-        self._refuse_while_receiving(seq_id, "grow")
-        return super().allocate(seq_id, num_new_tokens)
-
-    def commit(self, seq_id: Hashable, num_computed_tokens: int) -> None:
-        self._refuse_while_receiving(seq_id, "commit")
-        super().commit(seq_id, num_computed_tokens)
+    def _check_can_change(self, seq_id: Hashable, s: _Sequence, what: str) -> None:
+        self._refuse_while_receiving(seq_id, what)
+        super()._check_can_change(seq_id, s, what)
 
     def preempt(self, seq_id: Hashable) -> None:
         self._refuse_while_receiving(seq_id, "be preempted")

@@ -28,6 +28,7 @@ __all__ = [
     "InvalidTokenError",
     "KVBlocksError",
     "SequenceStateError",
+    "StaleLookupError",
     "UnknownSequenceError",
 ]
 
@@ -78,6 +79,13 @@ class SequenceStateError(KVBlocksError, RuntimeError):
 
 class CommitOutOfRangeError(KVBlocksError, ValueError):
     """``commit`` named a token count below the previous commit or beyond what is allocated/known."""
+
+
+class StaleLookupError(KVBlocksError, RuntimeError):
+    """An admission was told the hit a lookup saw, and the cache no longer holds it: look up again.
+
+    Nothing changed; the sequence is still waiting.
+    """
 
 
 class InvalidBlockIdError(KVBlocksError, ValueError):

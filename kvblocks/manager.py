@@ -40,6 +40,7 @@ from kvblocks.errors import (
     InvalidArgumentError,
     InvalidTokenError,
     SequenceStateError,
+    StaleLookupError,
     UnknownSequenceError,
 )
 from kvblocks.events import EventSink
@@ -51,6 +52,7 @@ from kvblocks.hashing import (
     HashedTokens,
     Namespace,
     PrecomputedHashes,
+    pack_tokens,
 )
 from kvblocks.pool import BlockPool
 from kvblocks.radix import PrefixTree
@@ -127,22 +129,26 @@ class _Sequence:
 
     __slots__ = (
         "content",
+        "lookahead",
         "num_committed",
         "num_covered",
         "pins",
         "preempted",
+        "skip_read",
         "table",
         "view",
     )
 
-    def __init__(self, content: HashedTokens | PrecomputedHashes) -> None:
+    def __init__(self, content: HashedTokens | PrecomputedHashes, skip_read: bool = False) -> None:
         self.content = content
         self.table: list[int] | None = None
         self.view: BlockTable | None = None
         self.pins: dict[int, int] | None = None  # position -> tree node pinned instead of a private duplicate
-        self.num_covered = 0  # tokens the table has slots for
+        self.num_covered = 0  # tokens the table has slots for (lookahead slots not included)
+        self.lookahead = 0  # draft-token slots after num_covered; the table has ceil((covered + lookahead) / B)
         self.num_committed = 0  # tokens whose KV is written (cached prefix included)
         self.preempted = False
+        self.skip_read = skip_read  # never take a hit (prompt logprobs need every token computed); still writes
 
 
 def _count_arg(value: object, what: str) -> int:
@@ -185,6 +191,8 @@ class KVCacheManager:
         namespace: str | Namespace = "default",
         enable_prefix_caching: bool = True,
         event_sink: EventSink | None = None,
+        reserved_blocks: int = 0,
+        drop_last_matched_block: bool = False,
     ) -> None:
         config = CacheConfig(
             num_blocks=num_blocks,
@@ -192,6 +200,8 @@ class KVCacheManager:
             hash_scheme=hash_scheme,
             namespace=namespace,
             enable_prefix_caching=enable_prefix_caching,
+            reserved_blocks=reserved_blocks,
+            drop_last_matched_block=drop_last_matched_block,
         )
         self._setup(config, event_sink)
 
@@ -207,6 +217,8 @@ class KVCacheManager:
         self.config = config
         self._block_size = config.block_size
         self._caching = config.enable_prefix_caching
+        self._reserve = config.reserved_blocks
+        self._drop_last = config.drop_last_matched_block
         self._hasher = BlockHasher(config.block_size, config.hash_scheme, config.namespace)
         self._pool = BlockPool(config.num_blocks)
         self._tree = _TimedTree(self._pool, events=event_sink)
@@ -256,12 +268,15 @@ class KVCacheManager:
         extras: BlockExtras | None = None,
         block_hashes: Iterable[BlockHash] | None = None,
         num_tokens: int | None = None,
+        skip_cache_read: bool = False,
     ) -> None:
         """Register a sequence by its token ids (copied), or by precomputed block hashes.
 
         With ``block_hashes`` (one per full block, as a router or trace has them),
         ``num_tokens`` gives the prompt length and ``token_ids`` must be None; such a
-        sequence cannot :meth:`append_tokens`.
+        sequence cannot :meth:`append_tokens`. ``skip_cache_read``: the sequence never takes a
+        hit (every prompt token is computed, as prompt logprobs need) but its blocks are still
+        cached when committed.
         """
         try:
             registered = seq_id in self._seqs
@@ -269,25 +284,35 @@ class KVCacheManager:
             raise InvalidArgumentError(f"sequence id must be hashable, got {type(seq_id).__name__}") from None
         if registered:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is already registered")
+        content = self._content(token_ids, extras, block_hashes, num_tokens)
+        if content.num_tokens == 0:
+            raise InvalidTokenError(f"sequence {seq_id!r} has no tokens; a prompt needs at least one")
+        if not isinstance(skip_cache_read, bool):
+            raise InvalidArgumentError(f"skip_cache_read must be a bool, got {skip_cache_read!r}")
+        self._seqs[seq_id] = _Sequence(content, skip_cache_read)
+        self._freed.pop(seq_id, None)
+
+    def _content(
+        self,
+        token_ids: Iterable[int] | None,
+        extras: BlockExtras | None,
+        block_hashes: Iterable[BlockHash] | None,
+        num_tokens: int | None,
+    ) -> HashedTokens | PrecomputedHashes:
+        """A prompt's hashed content, from its token ids (and extras) or from its block hashes."""
         if extras is not None and not isinstance(extras, BlockExtras):
             raise InvalidArgumentError(f"extras must be a BlockExtras, got {type(extras).__name__}")
-        content: HashedTokens | PrecomputedHashes
         if block_hashes is not None:
             if token_ids is not None or extras is not None:
                 raise InvalidArgumentError("give either token_ids (and extras) or block_hashes, not both")
             if num_tokens is None:
                 raise InvalidArgumentError("block_hashes needs num_tokens, the prompt length")
-            content = PrecomputedHashes(block_hashes, num_tokens, self._block_size)
-        else:
-            if token_ids is None:
-                raise InvalidArgumentError("add_sequence needs token_ids or block_hashes")
-            if num_tokens is not None:
-                raise InvalidArgumentError("num_tokens is only for sequences given by block_hashes")
-            content = HashedTokens(self._hasher, token_ids, extras)
-        if content.num_tokens == 0:
-            raise InvalidTokenError(f"sequence {seq_id!r} has no tokens; a prompt needs at least one")
-        self._seqs[seq_id] = _Sequence(content)
-        self._freed.pop(seq_id, None)
+            return PrecomputedHashes(block_hashes, num_tokens, self._block_size)
+        if token_ids is None:
+            raise InvalidArgumentError("a prompt needs token_ids or block_hashes")
+        if num_tokens is not None:
+            raise InvalidArgumentError("num_tokens is only for sequences given by block_hashes")
+        return HashedTokens(self._hasher, token_ids, extras)
 
     def append_tokens(self, seq_id: Hashable, token_ids: Iterable[int]) -> None:
         """Append tokens (decode output); full blocks they complete are hashed now, once."""
@@ -300,27 +325,50 @@ class KVCacheManager:
 
         The last token is never counted: the engine must compute it to get logits.
         """
-        s = self._get(seq_id)
+        return self._cached(self._get(seq_id))
+
+    def match(
+        self,
+        token_ids: Iterable[int] | None = None,
+        *,
+        extras: BlockExtras | None = None,
+        block_hashes: Iterable[BlockHash] | None = None,
+        num_tokens: int | None = None,
+    ) -> CachedTokens:
+        """What :meth:`lookup` would report for a prompt, without registering it. Pure.
+
+        For routers, schedulers and tests: the same rules as an admission (the last token is
+        never counted; ``drop_last_matched_block`` applies), nothing is kept.
+        """
+        probe = _Sequence(self._content(token_ids, extras, block_hashes, num_tokens))
+        return self._cached(probe)
+
+    def _cached(self, s: _Sequence) -> CachedTokens:
+        """The hit ``s`` would take now, per tier (only the device here)."""
         return CachedTokens(device=self._match_length(s) * self._block_size, num_prompt_tokens=s.content.num_tokens)
 
-    def blocks_short(self, seq_id: Hashable, num_new_tokens: int) -> int:
-        """How many blocks ``allocate(seq_id, num_new_tokens)`` would lack now (0: it would succeed). Pure."""
+    def blocks_short(self, seq_id: Hashable, num_new_tokens: int, *, num_lookahead_tokens: int = 0) -> int:
+        """How many blocks ``allocate(seq_id, num_new_tokens, ...)`` would lack now (0: it would succeed). Pure.
+
+        An admission must leave ``reserved_blocks`` free; a running sequence's growth may use them.
+        """
         s = self._get(seq_id)
         n = _count_arg(num_new_tokens, "num_new_tokens")
+        k = _count_arg(num_lookahead_tokens, "num_lookahead_tokens")
         size = self._block_size
         pool = self._pool
         if s.table is not None:
-            need = (s.num_covered + n + size - 1) // size - len(s.table)
+            need = (s.num_covered + n + k + size - 1) // size - len(s.table)
             available = pool.num_free
         else:
             matched = self._match(s)
-            need = (len(matched) * size + n + size - 1) // size - len(matched)
-            available = pool.num_free - pool.count_idle(matched)
+            need = (len(matched) * size + n + k + size - 1) // size - len(matched)
+            available = pool.num_free - pool.count_idle(matched) - self._reserve
         return max(0, need - available)
 
-    def can_allocate(self, seq_id: Hashable, num_new_tokens: int) -> bool:
+    def can_allocate(self, seq_id: Hashable, num_new_tokens: int, *, num_lookahead_tokens: int = 0) -> bool:
         """Whether :meth:`allocate` would succeed now. Pure: never evicts."""
-        return self.blocks_short(seq_id, num_new_tokens) == 0
+        return self.blocks_short(seq_id, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens) == 0
 
     def block_table(self, seq_id: Hashable) -> BlockTable:
         """The sequence's block table (empty when it is not admitted)."""
@@ -331,8 +379,13 @@ class KVCacheManager:
         return self._get(seq_id).content.num_tokens
 
     def num_computed_tokens(self, seq_id: Hashable) -> int:
-        """Tokens whose KV is written (the last commit, or the cached prefix at admission)."""
+        """Tokens whose KV is written (the last commit, or the hit the admission took)."""
         return self._get(seq_id).num_committed
+
+    def num_allocated_tokens(self, seq_id: Hashable) -> int:
+        """Tokens the sequence has slots for, its lookahead (draft) slots included; 0 when not admitted."""
+        s = self._get(seq_id)
+        return s.num_covered + s.lookahead
 
     def token_ids(self, seq_id: Hashable) -> tuple[int, ...] | None:
         """The sequence's tokens (None for a sequence given by block hashes)."""
@@ -347,38 +400,91 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def allocate(self, seq_id: Hashable, num_new_tokens: int) -> BlockTable | None:
-        """Grant blocks for ``num_new_tokens`` more tokens, or change nothing and return None.
+    def allocate(
+        self,
+        seq_id: Hashable,
+        num_new_tokens: int,
+        *,
+        num_lookahead_tokens: int = 0,
+        num_cached_tokens: int | None = None,
+    ) -> BlockTable | None:
+        """Grant slots for ``num_new_tokens`` more tokens, or change nothing and return None.
 
-        The first call (admission) starts the table with the cached prefix -- as
-        :meth:`lookup` reports it now -- and records the admission's hit statistics.
-        New blocks come from the fresh queue first, then by evicting idle leaves.
+        The first call (admission) starts the table with the cached prefix and records the
+        admission's hit statistics; ``num_new_tokens`` counts from the hit it takes, which
+        :meth:`num_computed_tokens` reports. Pass the hit you saw as ``num_cached_tokens``
+        (``lookup(...).total``) to take exactly that hit: if the cache no longer holds it, the
+        admission raises :class:`StaleLookupError` and changes nothing, so a table can never
+        cover less than the caller computes. New blocks come from the fresh queue first, then by
+        evicting idle leaves; an admission leaves ``reserved_blocks`` free.
+
+        ``num_lookahead_tokens`` reserves slots for that many draft tokens after the new ones
+        (speculative decoding). They are not cumulative: each call says how many it wants now,
+        slots of rejected drafts are reused, and the table never exceeds
+        ``ceil((allocated tokens + lookahead) / block_size)`` blocks.
         """
         s = self._get(seq_id)
         n = num_new_tokens
         if type(n) is not int or n < 0:
             n = _count_arg(n, "num_new_tokens")
+        k = num_lookahead_tokens
+        if k and (type(k) is not int or k < 0):
+            k = _count_arg(k, "num_lookahead_tokens")
+        self._check_can_change(seq_id, s, "grow")
+        if s.table is None:
+            return self._admit(seq_id, s, n, k, self._expected_hit(num_cached_tokens))
+        if num_cached_tokens is not None:
+            raise InvalidArgumentError(f"sequence {seq_id!r} is admitted: num_cached_tokens is for admissions")
+        return s.view if self._grow(s, s.num_covered + n, k) else None
+
+    def _expected_hit(self, num_cached_tokens: object) -> int | None:
+        """The hit the caller saw, in blocks (None: take the hit there is now)."""
+        if num_cached_tokens is None:
+            return None
+        tokens = _count_arg(num_cached_tokens, "num_cached_tokens")
+        if tokens % self._block_size:
+            raise InvalidArgumentError(
+                f"num_cached_tokens must be a multiple of the block size {self._block_size}, got {tokens}"
+            )
+        return tokens // self._block_size
+
+    def _check_can_change(self, seq_id: Hashable, s: _Sequence, what: str) -> None:
+        """Raise if ``s`` may not grow or commit now (a role refuses during a transfer). None here."""
+
+    def _grow(self, s: _Sequence, covered: int, lookahead: int) -> bool:
+        """Give admitted ``s`` slots for ``covered`` tokens plus ``lookahead`` drafts, or change nothing (False).
+
+        Blocks beyond what that needs (a smaller lookahead than before) go back to the pool: they
+        lie past every committed and every allocated token, so nothing in them is cached.
+        """
         table = s.table
-        if table is None:
-            return self._admit(seq_id, s, n)
+        if table is None:  # pragma: no cover - callers grow admitted sequences only
+            raise SequenceStateError("only an admitted sequence grows")
         size = self._block_size
-        covered = s.num_covered + n
-        need = (covered + size - 1) // size - len(table)
+        need = (covered + lookahead + size - 1) // size - len(table)
         if need > 0:
             if need > self._pool.num_free:
-                return None
+                return False
             table += self._take(need)
+        elif need < 0:
+            surplus = table[need:]
+            del table[need:]
+            self._pool._release_valid(reversed(surplus))
         s.num_covered = covered
-        return s.view
+        s.lookahead = lookahead
+        return True
 
-    def _admit(self, seq_id: Hashable, s: _Sequence, n: int) -> BlockTable | None:
+    def _admit(self, seq_id: Hashable, s: _Sequence, n: int, k: int, expected: int | None) -> BlockTable | None:
         size = self._block_size
         pool = self._pool
         matched = self._match(s)
+        if expected is not None:
+            self._check_expected(seq_id, expected, len(matched))
+            del matched[expected:]
         hits = len(matched)
         covered = hits * size + n
-        need = (covered + size - 1) // size - hits
-        if need > pool.num_free - pool.count_idle(matched):
+        need = (covered + k + size - 1) // size - hits
+        if need > pool.num_free - pool.count_idle(matched) - self._reserve:
             return None
         if hits:
             pool._acquire_valid(matched)  # nodes the tree just matched: valid by construction
@@ -387,9 +493,17 @@ class KVCacheManager:
         s.table = matched
         s.view = BlockTable(matched)
         s.num_covered = covered
+        s.lookahead = k
         s.num_committed = hits * size
         self._admitted(seq_id, CachedTokens(device=hits * size, num_prompt_tokens=s.content.num_tokens), s.preempted)
         return s.view
+
+    def _check_expected(self, seq_id: Hashable, expected: int, available: int) -> None:
+        if expected > available:
+            raise StaleLookupError(
+                f"sequence {seq_id!r}: the lookup saw {expected * self._block_size} cached tokens, the cache holds "
+                f"{available * self._block_size} now; look up again"
+            )
 
     def _admitted(self, seq_id: Hashable, cached: CachedTokens, readmission: bool) -> None:
         """An admission's hits are final (at once here; once its copies settle with tiers): count them.
@@ -404,16 +518,20 @@ class KVCacheManager:
 
     def _match_length(self, s: _Sequence) -> int:
         """How many leading blocks of ``s`` the tree holds now (the device hit). Pure."""
-        if not self._caching:
+        if not self._caching or s.skip_read:
             return 0
         content = s.content
-        return self._tree.match_length(content.hashes, self._cacheable_blocks(content.num_tokens))
+        found = self._tree.match_length(content.hashes, self._cacheable_blocks(content.num_tokens))
+        return found - 1 if found and self._drop_last else found
 
     def _match(self, s: _Sequence) -> list[int]:
-        if not self._caching:
+        if not self._caching or s.skip_read:
             return []
         content = s.content
-        return self._tree.matched_blocks(content.hashes, self._cacheable_blocks(content.num_tokens))
+        matched = self._tree.matched_blocks(content.hashes, self._cacheable_blocks(content.num_tokens))
+        if matched and self._drop_last:
+            matched.pop()
+        return matched
 
     def _take(self, count: int) -> list[int]:
         pool = self._pool
@@ -427,31 +545,137 @@ class KVCacheManager:
 
         Full blocks below that line become findable by other sequences. The value
         counts from the sequence's start (cached prefix included), never decreases,
-        and cannot pass the allocated slots or the known tokens.
+        and cannot pass the allocated slots (lookahead slots included: accepted drafts
+        are committed there) or the known tokens.
         """
         s = self._get(seq_id)
-        table = s.table
-        if table is None:
-            raise SequenceStateError(f"sequence {seq_id!r} is not admitted: allocate before commit")
         n = num_computed_tokens
         if type(n) is not int:
             n = _count_arg(n, "num_computed_tokens")
+        self._check_commit(seq_id, s, n)
+        self._commit(s, n)
+
+    def _check_commit(self, seq_id: Hashable, s: _Sequence, n: int) -> None:
+        if s.table is None:
+            raise SequenceStateError(f"sequence {seq_id!r} is not admitted: allocate before commit")
+        self._check_can_change(seq_id, s, "commit")
         content = s.content
-        if n < s.num_committed or n > s.num_covered or n > content.num_tokens:
+        slots = s.num_covered + s.lookahead
+        if n < s.num_committed or n > slots or n > content.num_tokens:
             raise CommitOutOfRangeError(
                 f"commit({seq_id!r}, {n}): must be within [{s.num_committed}, "
-                f"{min(s.num_covered, content.num_tokens)}] (last commit {s.num_committed}, "
-                f"{s.num_covered} tokens allocated, {content.num_tokens} tokens known)"
+                f"{min(slots, content.num_tokens)}] (last commit {s.num_committed}, "
+                f"{slots} tokens allocated, {content.num_tokens} tokens known)"
             )
+
+    def _commit(self, s: _Sequence, n: int) -> None:
+        """Commit a checked ``n``: blocks newly below the line enter the tree."""
         # Blocks fully below the old line are already in the tree (inserted, hit or pinned);
         # those newly below the new line go in now.
-        start = s.num_committed // self._block_size
-        full = n // self._block_size
+        size = self._block_size
+        start = s.num_committed // size
+        full = n // size
         if full > start and self._caching:
-            existing = self._tree.insert(content.hashes, table, start, full)
+            existing = self._tree.insert(s.content.hashes, s.table, start, full)  # type: ignore[arg-type]
             if existing:
                 self._pin_duplicates(s, start, existing)
         s.num_committed = n
+        if n > s.num_covered:  # accepted drafts, committed in lookahead slots: they are allocated tokens now
+            s.lookahead -= n - s.num_covered
+            s.num_covered = n
+        if full > start:
+            self._committed(s, start, full)
+
+    def _committed(self, s: _Sequence, start: int, stop: int) -> None:
+        """Blocks ``[start, stop)`` of ``s`` were just committed (a tier copies them down). None here."""
+
+    # ------------------------------------------------------------------ the batched step
+
+    def step(
+        self,
+        seq_ids: Sequence[Hashable],
+        num_computed_tokens: Sequence[int | None] | None = None,
+        new_token_ids: Sequence[Iterable[int]] | None = None,
+        num_new_tokens: int | Sequence[int] = 1,
+        num_lookahead_tokens: int | Sequence[int] = 0,
+    ) -> list[Hashable]:
+        """One scheduling step for running sequences; returns the ids that could not get their slots.
+
+        For each sequence ``seq_ids[i]``, in order: commit ``num_computed_tokens[i]`` (what the
+        forward pass wrote; None keeps the last commit), append ``new_token_ids[i]`` (the sampled
+        or accepted tokens), then give it slots for the next forward pass: ``num_new_tokens[i]``
+        tokens after its committed line (1 for decode, the next chunk for chunked prefill) plus
+        ``num_lookahead_tokens[i]`` draft slots. ``allocate`` counts from its covered slots;
+        ``step`` counts from the committed line, as an engine reasons::
+
+            block size 4, decode, one draft slot (k=1)
+            before      | a b c d | e f . . |        committed 6, known 6
+            step(["r"], [6], [[g]], 1, 1)            g appended: 7 known
+            after       | a b c d | e f g * |        slots for 7 + 1 draft; 6 committed
+
+        A sequence that cannot get its slots is returned, and nothing changed for it (its entry
+        may be sent again, e.g. after preempting another sequence). Bad input anywhere in the batch
+        raises before anything changes. Same rules, same results as the per-sequence calls.
+        """
+        count = len(seq_ids)
+        commits = self._column(num_computed_tokens, count, "num_computed_tokens", None)
+        news = self._column(num_new_tokens, count, "num_new_tokens", 1)
+        drafts = self._column(num_lookahead_tokens, count, "num_lookahead_tokens", 0)
+        if new_token_ids is not None and len(new_token_ids) != count:
+            raise InvalidArgumentError(f"new_token_ids has {len(new_token_ids)} entries for {count} sequences")
+        plan = []
+        seen: set[Hashable] = set()
+        for i, seq_id in enumerate(seq_ids):
+            s = self._get(seq_id)
+            if seq_id in seen:
+                raise InvalidArgumentError(f"sequence {seq_id!r} appears twice in one step")
+            seen.add(seq_id)
+            if s.table is None:
+                raise SequenceStateError(f"sequence {seq_id!r} is not admitted: admit it with allocate first")
+            n = commits[i]
+            if n is None:
+                n = s.num_committed
+            elif type(n) is not int or n < 0:
+                n = _count_arg(n, "num_computed_tokens")
+            self._check_commit(seq_id, s, n)
+            packed = None
+            if new_token_ids is not None and new_token_ids[i] is not None:
+                packed = pack_tokens(new_token_ids[i])
+                if not packed:
+                    packed = None
+                elif type(s.content) is PrecomputedHashes:
+                    raise SequenceStateError(f"sequence {seq_id!r} was registered by block hashes; no tokens")
+            new, k = news[i], drafts[i]
+            if type(new) is not int or new < 0:
+                new = _count_arg(new, "num_new_tokens")
+            if type(k) is not int or k < 0:
+                k = _count_arg(k, "num_lookahead_tokens")
+            plan.append((seq_id, s, n, packed, max(s.num_covered, n + new), k))
+        failed: list[Hashable] = []
+        size = self._block_size
+        pool = self._pool
+        for seq_id, s, n, packed, covered, k in plan:
+            if (covered + k + size - 1) // size - len(s.table) > pool.num_free:  # type: ignore[arg-type]
+                failed.append(seq_id)  # nothing changed for it
+                continue
+            if n != s.num_committed:
+                self._commit(s, n)
+            if packed is not None:
+                s.content.extend_packed(packed)
+            if not self._grow(s, max(covered, s.num_covered), k):
+                failed.append(seq_id)  # only when its commit pinned an idle duplicate: the commit stays
+        return failed
+
+    @staticmethod
+    def _column(values: object, count: int, what: str, default: object) -> list:  # type: ignore[type-arg]
+        """One value per sequence: a sequence of ``count`` values, or one value for all."""
+        if values is None:
+            return [default] * count
+        if isinstance(values, (list, tuple)):
+            if len(values) != count:
+                raise InvalidArgumentError(f"{what} has {len(values)} entries for {count} sequences")
+            return values  # type: ignore[return-value]
+        return [values] * count
 
     def _pin_duplicates(self, s: _Sequence, start: int, existing: list[int]) -> None:
         table = s.table
@@ -515,7 +739,7 @@ class KVCacheManager:
         s.table = None
         s.view = None
         s.pins = None
-        s.num_covered = s.num_committed = 0
+        s.num_covered = s.num_committed = s.lookahead = 0
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (after a weight update, say). Refused (False) while any block is in use."""
@@ -555,12 +779,14 @@ class KVCacheManager:
         for seq_id, s in self._seqs.items():
             table = s.table
             if table is None:
-                if s.pins or s.num_covered or s.num_committed:
+                if s.pins or s.num_covered or s.num_committed or s.lookahead:
                     raise IntegrityError(f"sequence {seq_id!r} is not admitted but carries table state")
                 continue
             hashes = s.content.hashes
-            if len(table) != -(-s.num_covered // size):
-                raise IntegrityError(f"sequence {seq_id!r}: {len(table)} blocks for {s.num_covered} tokens")
+            if len(table) != -(-(s.num_covered + s.lookahead) // size):
+                raise IntegrityError(
+                    f"sequence {seq_id!r}: {len(table)} blocks for {s.num_covered} tokens + {s.lookahead} lookahead"
+                )
             if len(set(table)) != len(table):
                 raise IntegrityError(f"sequence {seq_id!r} holds a block twice: {table}")
             if not s.num_committed <= min(s.num_covered, s.content.num_tokens):

@@ -240,11 +240,19 @@ class TieredKVCacheManager(KVCacheManager):
         extras: BlockExtras | None = None,
         block_hashes: Iterable[BlockHash] | None = None,
         num_tokens: int | None = None,
+        skip_cache_read: bool = False,
     ) -> None:
         """As :meth:`KVCacheManager.add_sequence`; with a storage tier, also asks (off-thread) which blocks it holds."""
-        super().add_sequence(seq_id, token_ids, extras=extras, block_hashes=block_hashes, num_tokens=num_tokens)
+        super().add_sequence(
+            seq_id,
+            token_ids,
+            extras=extras,
+            block_hashes=block_hashes,
+            num_tokens=num_tokens,
+            skip_cache_read=skip_cache_read,
+        )
         storage = self._storage
-        if storage is not None and self._caching:
+        if storage is not None and self._caching and not skip_cache_read:
             s = self._seqs[seq_id]
             limit = self._cacheable_blocks(s.content.num_tokens)
             start = self._match_length(s)
@@ -253,7 +261,7 @@ class TieredKVCacheManager(KVCacheManager):
 
     def _tier_runs(self, s: _Sequence, device: int) -> tuple[list[int], int]:
         """Host blocks for the run after the device prefix, and the storage run after that. Pure."""
-        if not self._caching:
+        if not self._caching or s.skip_read:
             return [], 0
         content = s.content
         limit = self._cacheable_blocks(content.num_tokens)
@@ -263,9 +271,8 @@ class TieredKVCacheManager(KVCacheManager):
         stored = self._storage.known_run(hashes, start, limit) if self._storage is not None else 0
         return host_blocks, stored
 
-    def lookup(self, seq_id: Hashable) -> CachedTokens:
+    def _cached(self, s: _Sequence) -> CachedTokens:
         """Cached leading tokens per tier. Pure: no references, no eviction, no statistics, no I/O."""
-        s = self._get(seq_id)
         size = self._block_size
         device = self._match_length(s)
         host_blocks, stored = self._tier_runs(s, device)
@@ -276,41 +283,45 @@ class TieredKVCacheManager(KVCacheManager):
             num_prompt_tokens=s.content.num_tokens,
         )
 
-    def blocks_short(self, seq_id: Hashable, num_new_tokens: int) -> int:
+    def blocks_short(self, seq_id: Hashable, num_new_tokens: int, *, num_lookahead_tokens: int = 0) -> int:
         s = self._get(seq_id)
         n = _count_arg(num_new_tokens, "num_new_tokens")
+        k = _count_arg(num_lookahead_tokens, "num_lookahead_tokens")
         if s.table is not None:
-            return super().blocks_short(seq_id, n)
+            return super().blocks_short(seq_id, n, num_lookahead_tokens=k)
         matched = self._match(s)
         host_blocks, stored = self._tier_runs(s, len(matched))
         size = self._block_size
         cached = len(matched) + len(host_blocks) + stored
-        need = (cached * size + n + size - 1) // size - len(matched)
-        return max(0, need - (self._pool.num_free - self._pool.count_idle(matched)))
+        need = (cached * size + n + k + size - 1) // size - len(matched)
+        return max(0, need - (self._pool.num_free - self._pool.count_idle(matched) - self._reserve))
 
     # ------------------------------------------------------------------ admission
 
-    def allocate(self, seq_id: Hashable, num_new_tokens: int) -> BlockTable | None:
-        """As :meth:`KVCacheManager.allocate`. At admission, host and storage hits get device blocks too.
+    def _admit(self, seq_id: Hashable, s: _Sequence, n: int, k: int, expected: int | None) -> BlockTable | None:
+        """As :meth:`KVCacheManager.allocate`'s admission; host and storage hits get device blocks too.
 
         Their copies are pending (see the module docstring). The table returned is then an
         :class:`AdmittedTable` naming them: its ``swap_ins`` are also in the next
         :meth:`take_transfers` plan, its ``loads`` are read on the reader thread and reported
-        by :meth:`poll_loads`. ``num_new_tokens`` counts the tokens after *all* cached ones.
+        by :meth:`poll_loads`. ``num_new_tokens`` counts the tokens after *all* cached ones, and
+        ``num_cached_tokens`` (if given) is the total hit the caller saw, over every tier.
         """
-        s = self._get(seq_id)
-        if s.table is not None:
-            return super().allocate(seq_id, num_new_tokens)
-        n = _count_arg(num_new_tokens, "num_new_tokens")
         size = self._block_size
         pool = self._pool
         matched = self._match(s)
         device = len(matched)
         host_blocks, num_loads = self._tier_runs(s, device)
+        if expected is not None:  # take exactly the hit the caller saw: a prefix of device, host, storage runs
+            self._check_expected(seq_id, expected, device + len(host_blocks) + num_loads)
+            del matched[expected:]
+            device = len(matched)
+            host_blocks = host_blocks[: expected - device]
+            num_loads = min(num_loads, expected - device - len(host_blocks))
         cached = device + len(host_blocks) + num_loads
         covered = cached * size + n
-        need = (covered + size - 1) // size - device
-        if need > pool.num_free - pool.count_idle(matched):
+        need = (covered + k + size - 1) // size - device
+        if need > pool.num_free - pool.count_idle(matched) - self._reserve:
             return None
         if device:
             pool._acquire_valid(matched)
@@ -321,6 +332,7 @@ class TieredKVCacheManager(KVCacheManager):
         s.table = matched
         s.view = BlockTable(matched)
         s.num_covered = covered
+        s.lookahead = k
         s.num_committed = device * size
         if not host_blocks and not num_loads:
             self._admitted(
@@ -400,19 +412,15 @@ class TieredKVCacheManager(KVCacheManager):
 
     # ------------------------------------------------------------------ commit, free, preempt
 
-    def commit(self, seq_id: Hashable, num_computed_tokens: int) -> None:
-        """As :meth:`KVCacheManager.commit`; refused while the sequence's cached prefix is still being copied."""
-        s = self._get(seq_id)
-        if id(s) in self._admissions:
+    def _check_can_change(self, seq_id: Hashable, s: _Sequence, what: str) -> None:
+        """Commits are refused while the sequence's cached prefix is still being copied."""
+        if what == "commit" and id(s) in self._admissions:
             raise SequenceStateError(f"sequence {seq_id!r} has transfers pending: complete them before commit")
-        start = s.num_committed // self._block_size
-        super().commit(seq_id, num_computed_tokens)
-        if self._host_write_through or self._storage_write_through:
-            self._committed(s, start, s.num_committed // self._block_size)
+        super()._check_can_change(seq_id, s, what)
 
     def _committed(self, s: _Sequence, start: int, stop: int) -> None:
         """Write-through: newly committed blocks are copied to host and/or queued for storage."""
-        if stop <= start or not self._caching:
+        if stop <= start or not self._caching or not (self._host_write_through or self._storage_write_through):
             return
         hashes = s.content.hashes
         block_of = self._tree.block_of

@@ -13,6 +13,13 @@ pages), CUDA caches behind CUDA IPC handles -- and a small named mailbox describ
 :func:`attach_shared` opens the mailbox by name, sleeping between looks with a growing
 back-off (never a busy loop), and maps the caches once the state says ready. A creator
 that only profiles never publishes, so nobody can attach to a throwaway cache.
+
+Trust: whoever can write the mailbox decides what an attacher maps, so only segments this
+user created with owner-only permissions (0600) are read. The mailbox holds plain JSON
+fields, each checked for type and range; nothing is unpickled, and a CUDA cache is rebuilt
+by one fixed call of torch's ``rebuild_cuda_tensor``, never by a callable the mailbox names.
+A malformed mailbox raises :class:`~kvblocks.errors.ConfigError`; one that is absent or not
+ready in time, :class:`~kvblocks.errors.AttachTimeoutError`.
 """
 
 from __future__ import annotations
@@ -20,14 +27,16 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import math
 import mmap
 import os
-import pickle
+import re
+import stat
 import struct
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -40,11 +49,26 @@ from kvblocks.errors import AttachTimeoutError, ConfigError
 __all__ = ["CacheRegistry", "SharedCaches", "attach_shared", "publish_shared"]
 
 _MAGIC = b"KVBLOCKS"
-_VERSION = 1
-_HEADER = struct.Struct("<8sII I")  # magic, version, state, JSON length
+_VERSION = 2  # 2: CUDA caches as plain IPC fields (1 carried a pickle)
+_HEADER = struct.Struct("<8sIII")  # magic, version, state, JSON length
+_STATE = struct.Struct("<I")
+_STATE_OFFSET = 12
 _MAILBOX_BYTES = 1 << 20
-_DATA_ALIGN = 4096
+_WRITING = 0
 _READY = 1
+
+# Bounds on what a mailbox may describe: far above any real model, low enough that checking is cheap.
+_MAX_CACHES = 256
+_MAX_LAYERS = 1024
+_MAX_DIM = 1 << 20
+_MAX_BLOCKS = 1 << 40
+_MAX_BYTES = 1 << 50
+_MAX_HANDLE = 1 << 18  # an expandable-segments handle lists one handle per segment page
+_MAX_DEVICE = 1024
+_MAX_COUNTER_OFFSET = 1 << 32
+_MAX_TEXT = 64
+_REF_COUNTER_NAME = re.compile(rb"/[A-Za-z0-9_.-]{1,250}")
+"""torch's IPC reference counter is a POSIX shm segment (``/torch_<pid>_<n>_<n>``): one name, no path."""
 
 
 class CacheRegistry:
@@ -76,8 +100,16 @@ class CacheRegistry:
             self._caches.pop(name, None)
 
 
+# ---------------------------------------------------------------- names and private segments
+
+
 def _mailbox_name(name: str) -> str:
-    if not name or not all(c.isalnum() or c in "-_" for c in name) or len(name) > 200:
+    if (
+        not isinstance(name, str)
+        or not 1 <= len(name) <= 200
+        or not name.isascii()
+        or not all(c.isalnum() or c in "-_" for c in name)
+    ):
         raise ConfigError(f"a shared cache name must be 1-200 letters, digits, '-' or '_', got {name!r}")
     return f"kvblocks-{name}"
 
@@ -93,8 +125,46 @@ def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
     return buf
 
 
+def _check_private(name: str, info: os.stat_result) -> None:
+    """Refuse a segment anyone but this user could have created or written."""
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"shared memory {name!r} is not a plain segment: refused")
+    if info.st_uid != os.geteuid():
+        raise ConfigError(
+            f"shared memory {name!r} has owner uid {info.st_uid}, not this user ({os.geteuid()}): refused"
+        )
+    if info.st_mode & 0o077:
+        raise ConfigError(
+            f"shared memory {name!r} has permissions {stat.S_IMODE(info.st_mode):o}: others may read or write it, "
+            "refused (owner-only 600 required)"
+        )
+
+
+def _open_private(name: str, *, writable: bool) -> tuple[int, int]:
+    """An open fd of segment ``name`` and its size, checked on the fd itself (no check-then-open race).
+
+    Raises FileNotFoundError when there is no such segment, ConfigError when it is not this user's alone.
+    """
+    import _posixshmem  # type: ignore[import-not-found]  # what SharedMemory itself uses on POSIX
+
+    try:
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NONBLOCK  # a FIFO planted there must not block
+        fd: int = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise ConfigError(f"shared memory {name!r} cannot be opened: {error}") from None
+    try:
+        info = os.fstat(fd)
+        _check_private(name, info)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info.st_size
+
+
 class _Mapping:
-    """An existing POSIX shared-memory segment mapped read-write, *without* a resource tracker.
+    """An existing, private POSIX shared-memory segment mapped read-write, *without* a resource tracker.
 
     ``SharedMemory(name)`` would register the segment with this process's resource tracker
     (before Python 3.13), which unlinks it when the process exits -- destroying the owner's
@@ -102,12 +172,15 @@ class _Mapping:
     An attacher therefore maps the segment itself.
     """
 
-    def __init__(self, name: str) -> None:
-        import _posixshmem  # type: ignore[import-not-found]  # what SharedMemory itself uses on POSIX
-
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    def __init__(self, name: str, min_size: int) -> None:
         try:
-            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
+            fd, size = _open_private(name, writable=True)
+        except FileNotFoundError:
+            raise ConfigError(f"shared memory {name!r} named by a ready mailbox does not exist") from None
+        try:
+            if size < min_size:
+                raise ConfigError(f"shared memory {name!r} holds {size} bytes, the mailbox describes {min_size}")
+            self._mmap = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         self.buf = memoryview(self._mmap)
@@ -116,9 +189,6 @@ class _Mapping:
     def close(self) -> None:
         self.buf.release()
         self._mmap.close()
-
-    def unlink(self) -> None:  # only owners unlink
-        raise AssertionError("an attacher never unlinks")  # pragma: no cover
 
 
 class SharedCaches:
@@ -151,8 +221,273 @@ class SharedCaches:
         self.close()
 
 
+# ---------------------------------------------------------------- the mailbox's fields, checked
+
+
+def _int(value: object, what: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"mailbox field {what} must be an int in [{low}, {high}], got {value!r:.80}")
+    return value
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str) or len(value) > _MAX_TEXT:
+        raise ConfigError(f"mailbox field {what} must be a string of at most {_MAX_TEXT} characters")
+    return value
+
+
+def _object(value: object, keys: set[str], what: str) -> dict[str, object]:
+    if not isinstance(value, dict) or set(value) != keys:
+        got = sorted(map(str, value))[:20] if isinstance(value, dict) else type(value).__name__
+        raise ConfigError(f"mailbox field {what} must be an object with keys {sorted(keys)}, got {got}")
+    return value
+
+
+def _encode_bytes(value: object, what: str) -> str:
+    if not isinstance(value, bytes) or not 1 <= len(value) <= _MAX_HANDLE:
+        raise ConfigError(f"CUDA IPC field {what} must be 1-{_MAX_HANDLE} bytes, got {type(value).__name__}")
+    return base64.b64encode(value).decode("ascii")
+
+
+def _decode_bytes(value: object, what: str) -> bytes:
+    if not isinstance(value, str) or len(value) > 4 * _MAX_HANDLE // 3 + 4:
+        raise ConfigError(f"mailbox field {what} must be base64 text of at most {_MAX_HANDLE} bytes")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        raise ConfigError(f"mailbox field {what} is not valid base64") from None
+    if not 1 <= len(raw) <= _MAX_HANDLE:
+        raise ConfigError(f"mailbox field {what} must decode to 1-{_MAX_HANDLE} bytes, got {len(raw)}")
+    return raw
+
+
+@dataclass(frozen=True)
+class _IpcFields:
+    """What torch's ``rebuild_cuda_tensor`` needs to open a CUDA allocation of another process.
+
+    The tensor class, storage class, dtype, shape and stride are fixed by kvblocks (a flat uint8
+    tensor of the cache's bytes), so the mailbox carries only numbers and opaque handle bytes.
+    """
+
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    tensor_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "device": self.device,
+            "handle": _encode_bytes(self.handle, "handle"),
+            "storage_size_bytes": self.storage_size_bytes,
+            "storage_offset_bytes": self.storage_offset_bytes,
+            "tensor_offset": self.tensor_offset,
+            "ref_counter_handle": _encode_bytes(self.ref_counter_handle, "ref_counter_handle"),
+            "ref_counter_offset": self.ref_counter_offset,
+            "event_handle": None if self.event_handle is None else _encode_bytes(self.event_handle, "event_handle"),
+            "event_sync_required": self.event_sync_required,
+        }
+
+    @classmethod
+    def from_json(cls, value: object, nbytes: int) -> _IpcFields:
+        """The fields of ``value``, each checked; ``nbytes`` is the cache's size, which must fit the storage."""
+        raw = _object(value, {f.name for f in fields(cls)}, "ipc")
+        storage_size = _int(raw["storage_size_bytes"], "ipc.storage_size_bytes", 1, _MAX_BYTES)
+        tensor_offset = _int(raw["tensor_offset"], "ipc.tensor_offset", 0, _MAX_BYTES)
+        if tensor_offset + nbytes > storage_size:
+            raise ConfigError(
+                f"the cache's {nbytes} bytes at offset {tensor_offset} overrun the {storage_size}-byte CUDA storage"
+            )
+        counter = _decode_bytes(raw["ref_counter_handle"], "ipc.ref_counter_handle")
+        if not _REF_COUNTER_NAME.fullmatch(counter):
+            raise ConfigError("mailbox field ipc.ref_counter_handle is not a POSIX shared-memory name")
+        sync = raw["event_sync_required"]
+        if not isinstance(sync, bool):
+            raise ConfigError("mailbox field ipc.event_sync_required must be true or false")
+        event = None if raw["event_handle"] is None else _decode_bytes(raw["event_handle"], "ipc.event_handle")
+        if sync and event is None:
+            raise ConfigError("mailbox field ipc.event_handle is needed when event_sync_required is true")
+        return cls(
+            device=_int(raw["device"], "ipc.device", 0, _MAX_DEVICE - 1),
+            handle=_decode_bytes(raw["handle"], "ipc.handle"),
+            storage_size_bytes=storage_size,
+            storage_offset_bytes=_int(raw["storage_offset_bytes"], "ipc.storage_offset_bytes", 0, _MAX_BYTES),
+            tensor_offset=tensor_offset,
+            ref_counter_handle=counter,
+            ref_counter_offset=_int(raw["ref_counter_offset"], "ipc.ref_counter_offset", 0, _MAX_COUNTER_OFFSET),
+            event_handle=event,
+            event_sync_required=sync,
+        )
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One cache as a mailbox describes it, checked."""
+
+    spec: KVCacheSpec
+    num_blocks: int
+    ipc: _IpcFields | None  # None: the bytes are in the data segment of the same index
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.spec.bytes_per_block
+
+
+_SPEC_INTS = {"num_layers": _MAX_LAYERS, "num_kv_heads": _MAX_DIM, "head_dim": _MAX_DIM, "block_size": _MAX_DIM}
+_SPEC_TEXTS = ("dtype", "layout", "kind")
+
+
+def _parse_spec(value: object) -> KVCacheSpec:
+    raw = _object(value, {f.name for f in fields(KVCacheSpec)}, "spec")
+    checked: dict[str, Any] = {key: _int(raw[key], f"spec.{key}", 1, high) for key, high in _SPEC_INTS.items()}
+    checked.update({key: _text(raw[key], f"spec.{key}") for key in _SPEC_TEXTS})
+    scale = raw["scale_dtype"]
+    checked["scale_dtype"] = None if scale is None else _text(scale, "spec.scale_dtype")
+    if not isinstance(raw["block_major"], bool):
+        raise ConfigError("mailbox field spec.block_major must be true or false")
+    checked["block_major"] = raw["block_major"]
+    return KVCacheSpec(**checked)  # its own checks raise ConfigError
+
+
+_ENTRY_KEYS = {"spec", "num_blocks", "device", "transport"}
+
+
+def _parse_entry(value: object) -> _Entry:
+    transport = value.get("transport") if isinstance(value, dict) else None
+    if transport not in ("shm", "ipc"):
+        raise ConfigError(f"mailbox field transport must be 'shm' or 'ipc', got {transport!r:.80}")
+    raw = _object(value, _ENTRY_KEYS | ({"ipc"} if transport == "ipc" else set()), "caches[]")
+    spec = _parse_spec(raw["spec"])
+    num_blocks = _int(raw["num_blocks"], "num_blocks", 1, _MAX_BLOCKS)
+    nbytes = num_blocks * spec.bytes_per_block
+    if nbytes > _MAX_BYTES:
+        raise ConfigError(f"a mailbox describes a cache of {nbytes} bytes, more than {_MAX_BYTES}")
+    device = _text(raw["device"], "device")
+    if transport == "shm":
+        if device != "cpu":
+            raise ConfigError(f"a shared-memory cache is on the cpu, the mailbox says {device!r}")
+        return _Entry(spec, num_blocks, None)
+    ipc = _IpcFields.from_json(raw["ipc"], nbytes)
+    if device != f"cuda:{ipc.device}":
+        raise ConfigError(f"a CUDA IPC cache of device {ipc.device} cannot be on {device!r}")
+    return _Entry(spec, num_blocks, ipc)
+
+
+def _no_constant(token: str) -> object:
+    raise ConfigError(f"the mailbox holds {token}, which is not JSON")
+
+
+def _parse_mailbox(body: bytes) -> list[_Entry]:
+    """The caches a mailbox body describes; ConfigError for anything but the documented plain fields."""
+    try:
+        document = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as error:  # bad UTF-8, bad JSON, too deep, too many digits
+        raise ConfigError(f"the mailbox is not UTF-8 JSON: {str(error)[:200]}") from None
+    caches = _object(document, {"caches"}, "(top level)")["caches"]
+    if not isinstance(caches, list) or not 1 <= len(caches) <= _MAX_CACHES:
+        raise ConfigError(f"mailbox field caches must be a list of 1-{_MAX_CACHES} caches")
+    return [_parse_entry(entry) for entry in caches]
+
+
+# ---------------------------------------------------------------- CUDA IPC through fixed, plain fields
+
+
+def _ipc_fields(storage: torch.Tensor) -> _IpcFields:
+    """The plain IPC fields of a CUDA cache's storage, from torch's own reduction of it (flat, uint8)."""
+    from torch.multiprocessing import reductions
+
+    flat = storage.detach().view(-1)
+    rebuild, args = reductions.reduce_tensor(flat)  # type: ignore[no-untyped-call]
+    return _fields_of_reduction(rebuild, tuple(args), flat.numel())
+
+
+def _fields_of_reduction(rebuild: object, args: tuple[Any, ...], nbytes: int) -> _IpcFields:
+    """Keep the numbers and handles of ``reduce_tensor``'s answer; refuse any answer of another form."""
+    from torch.multiprocessing import reductions
+
+    if rebuild is not reductions.rebuild_cuda_tensor or len(args) != 15:
+        raise ConfigError(f"torch shares this tensor through {getattr(rebuild, '__name__', '?')!r}, not CUDA IPC")
+    size, stride, tensor_offset, dtype = args[1], args[2], args[3], args[5]
+    if tuple(size) != (nbytes,) or tuple(stride) != (1,) or dtype != torch.uint8:
+        raise ConfigError("torch reduced a flat uint8 storage to another shape or dtype")
+    device, handle, storage_size, storage_offset = args[6], args[7], args[8], args[9]
+    counter, counter_offset, event, sync = args[11], args[12], args[13], args[14]
+    plain = {
+        "device": device,
+        "handle": _encode_bytes(handle, "handle"),
+        "storage_size_bytes": storage_size,
+        "storage_offset_bytes": storage_offset,
+        "tensor_offset": tensor_offset,
+        "ref_counter_handle": _encode_bytes(counter, "ref_counter_handle"),
+        "ref_counter_offset": counter_offset,
+        "event_handle": None if event is None else _encode_bytes(event, "event_handle"),
+        "event_sync_required": sync,
+    }
+    return _IpcFields.from_json(plain, nbytes)  # what an attacher would refuse is refused here
+
+
+def _cuda_devices() -> int:
+    return torch.cuda.device_count()
+
+
+def _rebuild_ipc(ipc: _IpcFields, nbytes: int) -> torch.Tensor:
+    """The cache's storage, opened by torch's ``rebuild_cuda_tensor`` with kvblocks' fixed classes and shape."""
+    from torch.multiprocessing import reductions
+
+    if ipc.device >= _cuda_devices():
+        raise ConfigError(f"the mailbox names CUDA device {ipc.device}; this process sees {_cuda_devices()}")
+    try:
+        tensor: torch.Tensor = reductions.rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
+            torch.Tensor,
+            (nbytes,),
+            (1,),
+            ipc.tensor_offset,
+            torch.storage.TypedStorage,
+            torch.uint8,
+            ipc.device,
+            ipc.handle,
+            ipc.storage_size_bytes,
+            ipc.storage_offset_bytes,
+            False,
+            ipc.ref_counter_handle,
+            ipc.ref_counter_offset,
+            ipc.event_handle,
+            ipc.event_sync_required,
+        )
+    except RuntimeError as error:  # CUDA refused the handle (torch.AcceleratorError is a RuntimeError)
+        raise ConfigError(f"CUDA cannot open the IPC handle of the mailbox: {error}") from None
+    return tensor
+
+
+# ---------------------------------------------------------------- publish and attach
+
+
 def _describe(cache: KVCache) -> dict[str, Any]:
     return {"spec": asdict(cache.spec), "num_blocks": cache.num_blocks, "device": str(cache.device)}
+
+
+def _create_private(name: str, size: int) -> shared_memory.SharedMemory:
+    """A new segment (O_EXCL: never one somebody placed first), checked as attachers will check it."""
+    shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+    try:
+        fd, _ = _open_private(name, writable=False)
+        os.close(fd)
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    return shm
+
+
+def _write_ready(view: memoryview, body: bytes) -> None:
+    """Body, then the header in state "writing", then the state word alone: ready means complete."""
+    view[_HEADER.size : _HEADER.size + len(body)] = body
+    _HEADER.pack_into(view, 0, _MAGIC, _VERSION, _WRITING, len(body))
+    _STATE.pack_into(view, _STATE_OFFSET, _READY)
 
 
 def publish_shared(name: str, caches: Sequence[KVCache]) -> SharedCaches:
@@ -160,11 +495,17 @@ def publish_shared(name: str, caches: Sequence[KVCache]) -> SharedCaches:
 
     Host caches are copied once into shared memory and the returned handle's caches are the
     shared ones (use those from now on). CUDA caches are shared in place through IPC handles.
+    Every segment is this user's alone (mode 0600); a name already taken raises FileExistsError.
     """
     group = tuple(caches)
     if not group or not all(isinstance(c, KVCache) for c in group):
         raise ConfigError("publish_shared needs a non-empty sequence of KVCache")
-    mailbox = shared_memory.SharedMemory(name=_mailbox_name(name), create=True, size=_MAILBOX_BYTES)
+    if len(group) > _MAX_CACHES:
+        raise ConfigError(f"one mailbox describes at most {_MAX_CACHES} caches, got {len(group)}")
+    unsupported = sorted({c.device.type for c in group} - {"cpu", "cuda"})
+    if unsupported:
+        raise ConfigError(f"only CPU and CUDA caches can be shared across processes, not {', '.join(unsupported)}")
+    mailbox = _create_private(_mailbox_name(name), _MAILBOX_BYTES)
     segments = [mailbox]
     shared: list[KVCache] = []
     entries = []
@@ -172,76 +513,107 @@ def publish_shared(name: str, caches: Sequence[KVCache]) -> SharedCaches:
         for index, cache in enumerate(group):
             entry = _describe(cache)
             if cache.device.type == "cpu":
-                shm = shared_memory.SharedMemory(name=_data_name(name, index), create=True, size=max(1, cache.nbytes))
+                shm = _create_private(_data_name(name, index), max(1, cache.nbytes))
                 segments.append(shm)
-                storage = torch.frombuffer(shm.buf, dtype=torch.uint8, count=cache.nbytes)
-                storage.copy_(cache.storage)
+                storage = torch.frombuffer(_buffer(shm), dtype=torch.uint8, count=cache.nbytes)
+                storage.copy_(cache.storage.view(-1))
                 shared.append(build_cache(cache.spec, cache.num_blocks, storage, pinned=False))
                 entry["transport"] = "shm"
             else:
-                from torch.multiprocessing.reductions import reduce_tensor
-
-                rebuild, args = reduce_tensor(cache.storage)  # type: ignore[no-untyped-call]
                 entry["transport"] = "ipc"
-                entry["ipc"] = base64.b64encode(pickle.dumps((rebuild, args))).decode("ascii")
+                entry["ipc"] = _ipc_fields(cache.storage).to_json()
                 shared.append(cache)
             entries.append(entry)
         body = json.dumps({"caches": entries}).encode("utf-8")
         if _HEADER.size + len(body) > _MAILBOX_BYTES:
             raise ConfigError(f"too many caches to describe in one mailbox ({len(body)} bytes)")
-        view = _buffer(mailbox)
-        view[_HEADER.size : _HEADER.size + len(body)] = body
-        # The state word goes last: an attacher that sees "ready" sees the whole description.
-        view[: _HEADER.size] = _HEADER.pack(_MAGIC, _VERSION, _READY, len(body))
+        _parse_mailbox(body)  # a publisher never writes what its attachers would refuse
+        _write_ready(_buffer(mailbox), body)
     except BaseException:
         SharedCaches((), segments, owner=True).close()
         raise
     return SharedCaches(tuple(shared), segments, owner=True)
 
 
+def _read_mailbox(mailbox_name: str) -> bytes | None:
+    """The JSON body of a ready mailbox; None while it is absent, not yet sized, or being written."""
+    try:
+        fd, size = _open_private(mailbox_name, writable=False)
+    except FileNotFoundError:
+        return None
+    try:
+        if size == 0:  # created, not yet sized by its owner (ftruncate sets the whole size at once)
+            return None
+        if size < _HEADER.size:
+            raise ConfigError(f"mailbox {mailbox_name!r} is {size} bytes, smaller than its header")
+        with mmap.mmap(fd, min(size, _MAILBOX_BYTES), access=mmap.ACCESS_READ) as view:
+            _magic, _version, state, _length = _HEADER.unpack_from(view, 0)
+            if state == _WRITING:
+                return None
+            header = view[: _HEADER.size]
+            return _checked_body(mailbox_name, _HEADER.unpack(header), view[_HEADER.size :])
+    finally:
+        os.close(fd)
+
+
+def _checked_body(mailbox_name: str, header: tuple[Any, ...], rest: bytes) -> bytes:
+    magic, version, state, length = header
+    if state != _READY:
+        raise ConfigError(f"mailbox {mailbox_name!r} has state {state}, neither 0 (writing) nor 1 (ready)")
+    if magic != _MAGIC:
+        raise ConfigError(f"{mailbox_name!r} is not a kvblocks mailbox (magic {magic!r})")
+    if version != _VERSION:
+        raise ConfigError(f"mailbox {mailbox_name!r} uses format version {version}, this kvblocks reads {_VERSION}")
+    if not 1 <= length <= len(rest):
+        raise ConfigError(f"mailbox {mailbox_name!r} declares {length} bytes of description, it holds {len(rest)}")
+    return rest[:length]
+
+
+def _check_wait(timeout: float, poll: float, max_poll: float) -> None:
+    for what, value, low in (("timeout", timeout, 0.0), ("poll", poll, None), ("max_poll", max_poll, poll)):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or (value < low if low is not None else value <= 0):
+            bound = f">= {low}" if low is not None else "> 0"
+            raise ConfigError(f"{what} must be a finite number {bound} seconds, got {value!r}")
+
+
+def _wait_for_mailbox(name: str, mailbox_name: str, timeout: float, poll: float, max_poll: float) -> bytes:
+    deadline = time.monotonic() + timeout
+    delay = poll
+    while True:
+        body = _read_mailbox(mailbox_name)
+        if body is not None:
+            return body
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AttachTimeoutError(f"no KV caches were published under {name!r} within {timeout} s")
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, max_poll)
+
+
 def attach_shared(name: str, *, timeout: float, poll: float = 0.001, max_poll: float = 0.05) -> SharedCaches:
     """Map the caches another process published under ``name``, waiting up to ``timeout`` seconds.
 
     Sleeps between looks, starting at ``poll`` seconds and doubling up to ``max_poll``.
-    Raises :class:`~kvblocks.errors.AttachTimeoutError` when nothing ready appears in time.
+    Raises :class:`~kvblocks.errors.AttachTimeoutError` when nothing ready appears in time, and
+    :class:`~kvblocks.errors.ConfigError` for a mailbox or segment that is malformed, not this
+    user's, or readable or writable by others (see the module docstring: nothing is executed).
     """
-    deadline = time.monotonic() + timeout
-    delay = poll
-    mailbox = None
-    while True:
-        if mailbox is None:
-            try:
-                mailbox = _Mapping(_mailbox_name(name))
-            except FileNotFoundError:
-                mailbox = None
-        if mailbox is not None:
-            magic, version, state, length = _HEADER.unpack_from(mailbox.buf, 0)
-            if magic == _MAGIC and state == _READY:
-                if version != _VERSION:
-                    mailbox.close()
-                    raise ConfigError(
-                        f"shared caches {name!r} use format version {version}, this kvblocks reads {_VERSION}"
-                    )
-                body = bytes(mailbox.buf[_HEADER.size : _HEADER.size + length])
-                break
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            if mailbox is not None:
-                mailbox.close()
-            raise AttachTimeoutError(f"no KV caches were published under {name!r} within {timeout} s")
-        time.sleep(min(delay, remaining))
-        delay = min(delay * 2, max_poll)
-    segments = [mailbox]
+    mailbox_name = _mailbox_name(name)
+    _check_wait(timeout, poll, max_poll)
+    entries = _parse_mailbox(_wait_for_mailbox(name, mailbox_name, timeout, poll, max_poll))
+    segments: list[_Mapping] = []
     caches = []
-    for index, entry in enumerate(json.loads(body)["caches"]):
-        spec = KVCacheSpec(**entry["spec"])
-        num_blocks = entry["num_blocks"]
-        if entry["transport"] == "shm":
-            mapping = _Mapping(_data_name(name, index))
-            segments.append(mapping)
-            storage = torch.frombuffer(mapping.buf, dtype=torch.uint8, count=num_blocks * spec.bytes_per_block)
-        else:
-            rebuild, args = pickle.loads(base64.b64decode(entry["ipc"]))
-            storage = rebuild(*args)
-        caches.append(build_cache(spec, num_blocks, storage, pinned=False))
-    return SharedCaches(tuple(caches), segments, owner=False)
+    try:
+        for index, entry in enumerate(entries):
+            if entry.ipc is None:
+                mapping = _Mapping(_data_name(name, index), entry.nbytes)
+                segments.append(mapping)
+                storage = torch.frombuffer(mapping.buf, dtype=torch.uint8, count=entry.nbytes)
+            else:
+                storage = _rebuild_ipc(entry.ipc, entry.nbytes)
+            caches.append(build_cache(entry.spec, entry.num_blocks, storage, pinned=False))
+    except BaseException:
+        SharedCaches((), list(segments), owner=False).close()
+        raise
+    return SharedCaches(tuple(caches), list(segments), owner=False)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvblocks.accounting import CachedTokens
-from kvblocks.errors import ConfigError, InvalidArgumentError, SequenceStateError
+from kvblocks.errors import ConfigError, InvalidArgumentError, SequenceStateError, UnknownSequenceError
 from kvblocks.tiers import AdmittedTable, MemoryStorage, TierConfig, TieredKVCacheManager
 from tests.tier_sim import FORMAT, SimEngine, content_of
 
@@ -688,3 +688,47 @@ def test_transfer_executor_is_exported_from_the_tiers_package() -> None:
 
     assert kvblocks.tiers.TransferExecutor is TransferExecutor
     assert "TransferExecutor" in kvblocks.tiers.__all__
+
+
+# ---------------------------------------------------------------- storage checks an engine may wait for
+
+
+class GatedStorage(MemoryStorage):
+    """A MemoryStorage whose ``exists`` (the storage check) waits until the test opens the gate."""
+
+    def __init__(self, shared: MemoryStorage) -> None:
+        super().__init__()
+        self._entries = shared._entries  # the same entries as the writer's store
+        self.gate = threading.Event()
+
+    def exists(self, keys):
+        assert self.gate.wait(10)
+        return super().exists(keys)
+
+
+def test_an_engine_can_tell_that_a_storage_check_is_still_pending() -> None:
+    shared = MemoryStorage()
+    config = TierConfig(storage=shared, storage_policy="write-through", entry_format=FORMAT)
+    writer = TieredKVCacheManager(8, B, tiers=config)  # not closed here: closing a MemoryStorage empties it
+    sim = SimEngine(writer)
+    sim.serve("w", A)
+    sim.run_plan()
+    assert writer.flush(5) and len(shared) == 4
+    gated = GatedStorage(shared)
+    assert len(gated) == 4
+    with TieredKVCacheManager(8, B, tiers=TierConfig(storage=gated, entry_format=FORMAT)) as m:
+        m.add_sequence("r", A)
+        assert m.is_storage_check_pending("r")  # the reader is waiting on the backend
+        assert m.lookup("r").storage == 0  # lookup never waits: a same-step admission would see no storage hit
+        gated.gate.set()
+        assert m.storage.wait_idle(5)
+        assert not m.is_storage_check_pending("r")
+        assert m.lookup("r").storage == 16
+        m.add_sequence("nothing-to-check", [1])  # no full block: no check queued
+        assert not m.is_storage_check_pending("nothing-to-check")
+        m.add_sequence("skip", A, skip_cache_read=True)
+        assert not m.is_storage_check_pending("skip") and m.lookup("skip").total == 0
+        m.free("r")
+        with pytest.raises(UnknownSequenceError):
+            m.is_storage_check_pending("r")
+    writer.close()

@@ -40,8 +40,7 @@ from dataclasses import asdict, dataclass, fields
 from multiprocessing import shared_memory
 from typing import Any
 
-import torch
-
+from kvblocks.backends._torch import torch
 from kvblocks.backends.cache import KVCache, build_cache
 from kvblocks.backends.spec import KVCacheSpec
 from kvblocks.errors import AttachTimeoutError, ConfigError

@@ -202,6 +202,7 @@ class TieredKVCacheManager(KVCacheManager):
         self._inflight: dict[int, _Plan] = {}
         self._admissions: dict[int, _Admission] = {}  # id(_Sequence) -> its pending admission
         self._loads: dict[int, _Admission] = {}  # storage request id -> admission
+        self._probes: dict[Hashable, int] = {}  # sequence -> the storage check add_sequence queued, until answered
         self._held_results: list[tuple[int, LoadOutcome]] = []
         self._hold_for: _Sequence | None = None
         self._counts = _Counts()
@@ -257,7 +258,30 @@ class TieredKVCacheManager(KVCacheManager):
             limit = self._cacheable_blocks(s.content.num_tokens)
             start = self._match_length(s)
             if start < limit:
-                storage.probe(s.content.hashes[start:limit])
+                request = storage.probe(s.content.hashes[start:limit])
+                if request is not None:
+                    self._probes[seq_id] = request
+
+    def is_storage_check_pending(self, seq_id: Hashable) -> bool:
+        """Whether the storage check :meth:`add_sequence` queued for ``seq_id`` is still unanswered. Pure.
+
+        A sequence registered and admitted in the same step sees no storage hits from that check
+        (``lookup`` never waits on I/O). An engine that prefers storage hits to recomputing can
+        leave such a sequence waiting a step or two while this is True; a dropped probe (a full
+        queue) or a check already answered is False.
+        """
+        self._get(seq_id)
+        request = self._probes.get(seq_id)
+        if request is None:
+            return False
+        if self._storage is not None and self._storage.is_answered(request):
+            del self._probes[seq_id]
+            return False
+        return True
+
+    def free(self, seq_id: Hashable) -> None:
+        super().free(seq_id)
+        self._probes.pop(seq_id, None)
 
     def _tier_runs(self, s: _Sequence, device: int) -> tuple[list[int], int]:
         """Host blocks for the run after the device prefix, and the storage run after that. Pure."""

@@ -206,16 +206,26 @@ class StorageTier:
 
     # ------------------------------------------------------------------ reads
 
-    def probe(self, hashes: Sequence[BlockHash]) -> None:
-        """Ask, off-thread, which leading ``hashes`` are stored; the answer feeds the index."""
+    def probe(self, hashes: Sequence[BlockHash]) -> int | None:
+        """Ask, off-thread, which leading ``hashes`` are stored; the answer feeds the index.
+
+        Returns the request's id for :meth:`is_answered`, or None when the probe queue was full
+        (the probe is dropped and counted).
+        """
         with self._lock:
             if self._queued_probes >= _MAX_QUEUED_PROBES:
                 self.stats.probes_dropped += 1
-                return
+                return None
             self._queued_probes += 1
         self.stats.probes += 1
         self._requested += 1
-        self._requests.put(_Request(next(self._ids), tuple(hashes), load=False))
+        request = _Request(next(self._ids), tuple(hashes), load=False)
+        self._requests.put(request)
+        return request.id
+
+    def is_answered(self, request_id: int) -> bool:
+        """Whether the reader has answered request ``request_id`` (it answers in the order asked)."""
+        return self._answered > request_id
 
     def load(self, hashes: Sequence[BlockHash]) -> int:
         """Queue a read of ``hashes``' entries; returns a request id for :meth:`take_results`."""

@@ -9,7 +9,8 @@ import pytest
 from kvblocks import KVCacheManager, block_hashes
 
 from .baselines import FloorManager
-from .workloads import multi_turn_chat, pool_size_for, serve_chat, serve_prefill_by_hashes
+from .paired import paired_ratio
+from .workloads import multi_turn_chat, pool_size_for, serve_chat, serve_chat_step, serve_prefill_by_hashes
 
 BLOCK_SIZE = 16
 CONCURRENCY = 8
@@ -132,3 +133,90 @@ def test_decode_step(benchmark, subject: str) -> None:
 
     benchmark.pedantic(step, rounds=20_000, iterations=1, warmup_rounds=100)
     assert state["n"] > len(PROMPT_2K)
+
+
+# ---------------------------------------------------------------- the batched step (issue 13)
+
+RUNNING = 32
+
+
+def _running_batch(make):
+    """``RUNNING`` sequences with 513-token prompts, admitted and committed: ready to decode."""
+    m = make(1 << 15)
+    for i in range(RUNNING):
+        m.add_sequence(i, [i, *PROMPT_2K[:512]])
+        m.allocate(i, 513)
+        m.commit(i, 513)
+    return m
+
+
+def _floor_decode_step():
+    m = _running_batch(MANAGERS["floor"])
+    lengths = [513] * RUNNING
+
+    def step() -> None:  # the floor's three calls per sequence, its hashing included
+        for i in range(RUNNING):
+            m.append_tokens(i, (7,))
+            m.allocate(i, 1)
+            lengths[i] += 1
+            m.commit(i, lengths[i])
+
+    return step
+
+
+def _kvblocks_decode_step():
+    m = _running_batch(MANAGERS["kvblocks"])
+    ids = list(range(RUNNING))
+    state = {"computed": [513] * RUNNING}
+    sampled = [(7,)] * RUNNING
+
+    def step() -> None:  # one call: commit what the pass wrote, append the sampled token, one slot each
+        computed = state["computed"]
+        if m.step(ids, computed, sampled):
+            raise AssertionError("the pool is large enough for every step")
+        state["computed"] = [n + 1 for n in computed]
+
+    return step
+
+
+def test_decode_step_32_paired(benchmark) -> None:
+    """One decode step of 32 running sequences: one batched ``step`` vs the floor's 96 calls."""
+    ratio = paired_ratio(
+        benchmark,
+        "decode-step-32-paired",
+        "kvblocks step",
+        _floor_decode_step(),
+        _kvblocks_decode_step(),
+        baseline_name="floor, 3 calls per sequence",
+        target=1 / 1.3,
+        repeat=50,
+    )
+    assert ratio > 0
+
+
+@pytest.mark.parametrize("eviction", [True, False], ids=["evicting", "no-eviction"])
+def test_chat_lifecycle_step_paired(benchmark, eviction: bool) -> None:
+    """The multi-turn lifecycle (admissions, then one batched step per decode iteration) vs the floor."""
+    pool = POOL if eviction else WORKLOAD.working_set_blocks + CONCURRENCY * WORKLOAD.max_request_blocks
+    ratio = paired_ratio(
+        benchmark,
+        f"lifecycle-step-{'evicting' if eviction else 'no-eviction'}-paired",
+        "kvblocks step",
+        lambda: serve_chat(FloorManager(pool, BLOCK_SIZE), WORKLOAD, CONCURRENCY),
+        lambda: serve_chat_step(KVCacheManager(num_blocks=pool, block_size=BLOCK_SIZE), WORKLOAD, CONCURRENCY),
+        baseline_name="floor",
+        target=1 / 1.5,
+        rounds=7,
+    )
+    assert ratio > 0
+
+
+def test_the_step_lifecycle_does_the_floors_work() -> None:
+    """Same workload, same admissions: the step path finds the cached prompt tokens the per-call path finds."""
+    for pool in (POOL, WORKLOAD.working_set_blocks + CONCURRENCY * WORKLOAD.max_request_blocks):
+        by_step = KVCacheManager(num_blocks=pool, block_size=BLOCK_SIZE)
+        cached = serve_chat_step(by_step, WORKLOAD, CONCURRENCY)
+        by_calls = serve_chat(KVCacheManager(num_blocks=pool, block_size=BLOCK_SIZE), WORKLOAD, CONCURRENCY)
+        assert cached > 0 and abs(cached - by_calls) <= 0.1 * by_calls  # one token's commit later per step
+        by_step.check_integrity()
+        assert (by_step.stats.evicted_blocks > 0) == (pool == POOL)

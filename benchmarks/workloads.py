@@ -123,3 +123,36 @@ def serve_prefill_by_hashes(manager, requests: list[tuple[str, list, int]], bloc
         manager.free(request_id)
         cached_total += cached
     return cached_total
+
+
+def serve_chat_step(manager, workload: ChatWorkload, concurrency: int = 8) -> int:
+    """:func:`serve_chat` with one batched ``step`` per decode iteration instead of three calls per sequence.
+
+    Each step commits what the previous forward pass wrote (every known token), appends each
+    sequence's sampled token and gives it a slot for the next pass.
+    """
+    pending = deque(workload.requests)
+    running: dict[str, list] = {}  # id -> [request, tokens generated so far]
+    cached_total = 0
+    step = manager.step
+    while pending or running:
+        while pending and len(running) < concurrency:
+            req = pending.popleft()
+            manager.add_sequence(req.request_id, req.prompt)
+            cached = manager.lookup(req.request_id).device
+            if manager.allocate(req.request_id, len(req.prompt) - cached, num_cached_tokens=cached) is None:
+                raise RuntimeError("pool too small for the benchmark's concurrency")
+            cached_total += cached
+            running[req.request_id] = [req, 0]
+        ids = list(running)
+        entries = list(running.values())
+        computed = [len(req.prompt) + done for req, done in entries]
+        sampled = [(req.output[done],) for req, done in entries]
+        if step(ids, computed, sampled):
+            raise RuntimeError("pool too small for the benchmark's concurrency")
+        for request_id, entry in zip(ids, entries):
+            entry[1] += 1
+            if entry[1] == len(entry[0].output):
+                manager.free(request_id)
+                del running[request_id]
+    return cached_total

@@ -26,6 +26,7 @@ The manager is not thread-safe: call it from the scheduler's thread.
 from __future__ import annotations
 
 import operator
+from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import ClassVar, overload
@@ -595,7 +596,7 @@ class KVCacheManager:
         self,
         seq_ids: Sequence[Hashable],
         num_computed_tokens: Sequence[int | None] | None = None,
-        new_token_ids: Sequence[Iterable[int]] | None = None,
+        new_token_ids: Sequence[Iterable[int] | None] | None = None,
         num_new_tokens: int | Sequence[int] = 1,
         num_lookahead_tokens: int | Sequence[int] = 0,
     ) -> list[Hashable]:
@@ -621,48 +622,70 @@ class KVCacheManager:
         commits = self._column(num_computed_tokens, count, "num_computed_tokens", None)
         news = self._column(num_new_tokens, count, "num_new_tokens", 1)
         drafts = self._column(num_lookahead_tokens, count, "num_lookahead_tokens", 0)
-        if new_token_ids is not None and len(new_token_ids) != count:
-            raise InvalidArgumentError(f"new_token_ids has {len(new_token_ids)} entries for {count} sequences")
+        appends: Sequence[Iterable[int] | None] = (None,) * count if new_token_ids is None else new_token_ids
+        if len(appends) != count:
+            raise InvalidArgumentError(f"new_token_ids has {len(appends)} entries for {count} sequences")
+        seqs = self._seqs
+        try:
+            batch = [seqs[seq_id] for seq_id in seq_ids]
+        except (KeyError, TypeError):
+            for seq_id in seq_ids:
+                self._get(seq_id)  # raises the precise error
+            raise  # pragma: no cover - one of them raised
+        if len(set(map(id, batch))) != count:
+            raise InvalidArgumentError("a sequence appears twice in one step")
+        hooked = type(self)._check_can_change is not KVCacheManager._check_can_change
+        # 1. validate every entry: nothing changes unless the whole batch is sound
         plan = []
-        seen: set[Hashable] = set()
-        for i, seq_id in enumerate(seq_ids):
-            s = self._get(seq_id)
-            if seq_id in seen:
-                raise InvalidArgumentError(f"sequence {seq_id!r} appears twice in one step")
-            seen.add(seq_id)
-            if s.table is None:
-                raise SequenceStateError(f"sequence {seq_id!r} is not admitted: admit it with allocate first")
-            n = commits[i]
+        for seq_id, s, n, tokens, new, k in zip(seq_ids, batch, commits, appends, news, drafts, strict=True):
             if n is None:
                 n = s.num_committed
-            elif type(n) is not int or n < 0:
+            elif type(n) is not int:
                 n = _count_arg(n, "num_computed_tokens")
-            self._check_commit(seq_id, s, n)
-            packed = None
-            if new_token_ids is not None and new_token_ids[i] is not None:
-                packed = pack_tokens(new_token_ids[i])
+            if hooked or s.table is None or not s.num_committed <= n <= s.num_covered + s.lookahead:
+                self._check_commit(seq_id, s, n)
+            elif n > s.content.num_tokens:
+                self._check_commit(seq_id, s, n)  # raises: past the known tokens
+            packed: array[int] | None = None
+            if tokens is not None:
+                if type(tokens) is tuple or type(tokens) is list:  # the common shapes, packed in C
+                    try:
+                        packed = array("I", tokens)
+                    except (OverflowError, TypeError):
+                        packed = pack_tokens(tokens)  # raises, naming the bad position
+                else:
+                    packed = pack_tokens(tokens)
                 if not packed:
                     packed = None
                 elif type(s.content) is PrecomputedHashes:
                     raise SequenceStateError(f"sequence {seq_id!r} was registered by block hashes; no tokens")
-            new, k = news[i], drafts[i]
             if type(new) is not int or new < 0:
                 new = _count_arg(new, "num_new_tokens")
             if type(k) is not int or k < 0:
                 k = _count_arg(k, "num_lookahead_tokens")
-            plan.append((seq_id, s, n, packed, max(s.num_covered, n + new), k))
+            covered = n + new
+            plan.append((seq_id, s, n, packed, covered if covered > s.num_covered else s.num_covered, k))
+        # 2. apply, sequence by sequence; one that cannot get its slots is left as it was
         failed: list[Hashable] = []
         size = self._block_size
         pool = self._pool
         for seq_id, s, n, packed, covered, k in plan:
-            if (covered + k + size - 1) // size - len(s.table) > pool.num_free:  # type: ignore[arg-type]
+            need = (covered + k + size - 1) // size - len(s.table)
+            if need > 0 and need > pool.num_free:
                 failed.append(seq_id)  # nothing changed for it
                 continue
-            if n != s.num_committed:
-                self._commit(s, n)
+            committed = s.num_committed
+            if n != committed:
+                if n // size == committed // size and n <= s.num_covered:
+                    s.num_committed = n  # no block newly full: nothing enters the tree
+                else:
+                    self._commit(s, n)
             if packed is not None:
                 s.content.extend_packed(packed)
-            if not self._grow(s, max(covered, s.num_covered), k):
+            if need == 0 and covered >= s.num_covered:
+                s.num_covered = covered
+                s.lookahead = k
+            elif not self._grow(s, max(covered, s.num_covered), k):
                 failed.append(seq_id)  # only when its commit pinned an idle duplicate: the commit stays
         return failed
 

@@ -495,7 +495,7 @@ class DecodeManager(KVCacheManager):
         new = self._take(need) if need else []
         table = matched + new
         s.table = table
-        s.view = BlockTable(table)
+        s.view = BlockTable(table, hits * size)
         s.num_covered = prompt
         s.num_committed = hits * size
         self._receiving.add(seq_id)

@@ -68,12 +68,15 @@ class BlockTable(Sequence[int]):
 
     The view follows the table while the sequence is admitted (later allocations
     show up in it) and stops changing when the sequence is freed or preempted.
+    ``num_cached_tokens`` is the hit the admission took (all tiers): the engine computes
+    from there, whatever an earlier ``lookup`` said.
     """
 
-    __slots__ = ("_ids",)
+    __slots__ = ("_ids", "num_cached_tokens")
 
-    def __init__(self, ids: list[int]) -> None:
+    def __init__(self, ids: list[int], num_cached_tokens: int = 0) -> None:
         self._ids = ids
+        self.num_cached_tokens = num_cached_tokens
 
     @overload
     def __getitem__(self, index: int) -> int: ...
@@ -492,7 +495,7 @@ class KVCacheManager:
         if need:
             matched += self._take(need)
         s.table = matched
-        s.view = BlockTable(matched)
+        s.view = BlockTable(matched, hits * size)
         s.num_covered = covered
         s.lookahead = k
         s.num_committed = hits * size

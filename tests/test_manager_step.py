@@ -307,3 +307,21 @@ def test_match_is_pure_and_agrees_with_lookup() -> None:
     assert m.lookup("r") == m.match(list(range(9)))
     with pytest.raises(InvalidArgumentError):
         m.match()
+
+
+def test_an_admission_without_the_seen_hit_returns_the_hit_it_took() -> None:
+    """The other way to be safe from a stale lookup: the table says where computing starts."""
+    m = KVCacheManager(num_blocks=3, block_size=B)
+    running(m, "r1", list(range(10)))
+    m.free("r1")
+    m.add_sequence("r2", list(range(8)) + [50, 51])
+    assert m.lookup("r2").total == 8
+    running(m, "r3", list(range(200, 210)))  # evicts r1's blocks
+    m.free("r3")
+    table = m.allocate("r2", 2)  # counts from the hit it takes, and returns it
+    assert table is not None and table.num_cached_tokens == m.num_computed_tokens("r2") < 8
+    assert m.num_allocated_tokens("r2") == table.num_cached_tokens + 2
+    m2 = KVCacheManager(num_blocks=8, block_size=B)
+    running(m2, "warm", list(range(13)))
+    m2.add_sequence("hit", list(range(13)))
+    assert m2.allocate("hit", 1).num_cached_tokens == 12

@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvblocks.accounting import CachedTokens
-from kvblocks.errors import ConfigError, InvalidArgumentError, SequenceStateError, UnknownSequenceError
+from kvblocks.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    SequenceStateError,
+    StaleLookupError,
+    UnknownSequenceError,
+)
 from kvblocks.tiers import AdmittedTable, MemoryStorage, TierConfig, TieredKVCacheManager
 from tests.tier_sim import FORMAT, SimEngine, content_of
 
@@ -150,6 +156,7 @@ def test_allocate_with_host_hits_plans_exact_swap_ins_and_keeps_them_pending(mak
     plan = m.take_transfers()
     assert plan.swap_ins == tuple(zip(host_blocks, table[:4], strict=True))
     assert isinstance(table, AdmittedTable) and table.swap_ins == plan.swap_ins and table.loads == ()
+    assert table.num_cached_tokens == 16  # the hit the admission took, over every tier
     # pending: not device-resident, not committable, host sources held
     assert not m.is_ready("c") and m.num_computed_tokens("c") == 0
     with pytest.raises(SequenceStateError):
@@ -732,3 +739,15 @@ def test_an_engine_can_tell_that_a_storage_check_is_still_pending() -> None:
         with pytest.raises(UnknownSequenceError):
             m.is_storage_check_pending("r")
     writer.close()
+
+
+def test_an_admission_given_the_hit_it_saw_over_the_tiers(make) -> None:
+    m = host_hit_setup(make)  # "c": 16 host-cached tokens
+    assert m.lookup("c").total == 16
+    with pytest.raises(StaleLookupError):
+        m.allocate("c", 1, num_cached_tokens=20)  # more than the tiers hold now: refused, nothing changed
+    assert not m.is_admitted("c") and not m.take_transfers()
+    table = m.allocate("c", 9, num_cached_tokens=8)  # takes two host blocks of the four
+    assert table is not None and table.num_cached_tokens == 8 and len(table.swap_ins) == 2
+    assert m.num_allocated_tokens("c") == 17
+    m.check_integrity()

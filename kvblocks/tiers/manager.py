@@ -354,7 +354,7 @@ class TieredKVCacheManager(KVCacheManager):
         if need:
             matched += self._take(need)
         s.table = matched
-        s.view = BlockTable(matched)
+        s.view = BlockTable(matched, cached * size)
         s.num_covered = covered
         s.lookahead = k
         s.num_committed = device * size
@@ -372,7 +372,9 @@ class TieredKVCacheManager(KVCacheManager):
             swap_ins = tuple(zip(host_blocks, matched[device:start], strict=True))
             plan.swap_ins.extend((h, d, admission) for h, d in swap_ins)
         loaded = s.content.hashes[start : start + num_loads]
-        view = AdmittedTable(matched, swap_ins, tuple(zip(matched[start : start + num_loads], loaded, strict=True)))
+        view = AdmittedTable(
+            matched, swap_ins, tuple(zip(matched[start : start + num_loads], loaded, strict=True)), cached * size
+        )
         s.view = view
         if num_loads:
             storage = self._storage

@@ -34,9 +34,13 @@ class AdmittedTable(BlockTable):
     __slots__ = ("loads", "swap_ins")
 
     def __init__(
-        self, ids: list[int], swap_ins: tuple[tuple[int, int], ...], loads: tuple[tuple[int, BlockHash], ...]
+        self,
+        ids: list[int],
+        swap_ins: tuple[tuple[int, int], ...],
+        loads: tuple[tuple[int, BlockHash], ...],
+        num_cached_tokens: int = 0,
     ) -> None:
-        super().__init__(ids)
+        super().__init__(ids, num_cached_tokens)
         self.swap_ins = swap_ins
         self.loads = loads
 

@@ -52,7 +52,13 @@ from itertools import repeat
 import numpy as np
 import xxhash
 
-from kvblocks.errors import ConfigError, InvalidBlockHashError, InvalidTokenError, SequenceStateError
+from kvblocks.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    InvalidBlockHashError,
+    InvalidTokenError,
+    SequenceStateError,
+)
 from kvblocks.strict_json import brief
 
 __all__ = [
@@ -536,6 +542,14 @@ class HashedTokens:
     def extend_packed(self, packed: array[int]) -> int:
         self._tokens.extend(packed)
         return self._hash_new_blocks()
+
+    def truncate(self, num_tokens: int) -> None:
+        """Forget the tokens from ``num_tokens`` on (an append the caller took back), and their blocks' hashes."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise InvalidArgumentError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}")
+        del self._tokens[num_tokens:]
+        del self.hashes[num_tokens // self._hasher.block_size :]
+        self.num_tokens = num_tokens
 
     def _hash_new_blocks(self) -> int:
         tokens = self._tokens

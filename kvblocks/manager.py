@@ -559,18 +559,37 @@ class KVCacheManager:
         self._check_commit(seq_id, s, n)
         self._commit(s, n)
 
-    def _check_commit(self, seq_id: Hashable, s: _Sequence, n: int) -> None:
+    def _check_commit(self, seq_id: Hashable, s: _Sequence, n: int, appended: int = 0) -> None:
+        """Raise unless ``commit(seq_id, n)`` is valid once ``appended`` more tokens are known."""
         if s.table is None:
             raise SequenceStateError(f"sequence {seq_id!r} is not admitted: allocate before commit")
         self._check_can_change(seq_id, s, "commit")
-        content = s.content
+        known = s.content.num_tokens + appended
         slots = s.num_covered + s.lookahead
-        if n < s.num_committed or n > slots or n > content.num_tokens:
+        if n < s.num_committed or n > slots or n > known:
             raise CommitOutOfRangeError(
                 f"commit({seq_id!r}, {n}): must be within [{s.num_committed}, "
-                f"{min(slots, content.num_tokens)}] (last commit {s.num_committed}, "
-                f"{slots} tokens allocated, {content.num_tokens} tokens known)"
+                f"{min(slots, known)}] (last commit {s.num_committed}, "
+                f"{slots} tokens allocated, {known} tokens known)"
             )
+
+    def _idle_duplicates(self, s: _Sequence, start: int, stop: int) -> int:
+        """Cached blocks that committing blocks ``[start, stop)`` of ``s`` would pin while they are idle.
+
+        Pinning one takes it out of the free supply, so a step counts them before it commits.
+        """
+        if not self._caching or stop <= start:
+            return 0
+        hashes = s.content.hashes
+        table = s.table
+        block_of = self._tree.block_of
+        ref = self._pool._ref
+        count = 0
+        for position in range(start, stop):
+            node = block_of(hashes[position])
+            if node is not None and node != table[position] and not ref[node]:  # type: ignore[index]
+                count += 1
+        return count
 
     def _commit(self, s: _Sequence, n: int) -> None:
         """Commit a checked ``n``: blocks newly below the line enter the tree."""
@@ -605,12 +624,13 @@ class KVCacheManager:
     ) -> list[Hashable]:
         """One scheduling step for running sequences; returns the ids that could not get their slots.
 
-        For each sequence ``seq_ids[i]``, in order: commit ``num_computed_tokens[i]`` (what the
-        forward pass wrote; None keeps the last commit), append ``new_token_ids[i]`` (the sampled
-        or accepted tokens), then give it slots for the next forward pass: ``num_new_tokens[i]``
-        tokens after its committed line (1 for decode, the next chunk for chunked prefill) plus
-        ``num_lookahead_tokens[i]`` draft slots. ``allocate`` counts from its covered slots;
-        ``step`` counts from the committed line, as an engine reasons::
+        For each sequence ``seq_ids[i]``, in order: append ``new_token_ids[i]`` (the sampled token,
+        or the accepted drafts and the bonus token), commit ``num_computed_tokens[i]`` (what the
+        forward pass wrote, accepted drafts included; None keeps the last commit), then give it
+        slots for the next forward pass: ``num_new_tokens[i]`` tokens after its committed line (1
+        for decode, the next chunk for chunked prefill) plus ``num_lookahead_tokens[i]`` draft
+        slots. ``allocate`` counts from its covered slots; ``step`` counts from the committed
+        line, as an engine reasons::
 
             block size 4, decode, one draft slot (k=1)
             before      | a b c d | e f . . |        committed 6, known 6
@@ -641,14 +661,6 @@ class KVCacheManager:
         # 1. validate every entry: nothing changes unless the whole batch is sound
         plan = []
         for seq_id, s, n, tokens, new, k in zip(seq_ids, batch, commits, appends, news, drafts, strict=True):
-            if n is None:
-                n = s.num_committed
-            elif type(n) is not int:
-                n = _count_arg(n, "num_computed_tokens")
-            if hooked or s.table is None or not s.num_committed <= n <= s.num_covered + s.lookahead:
-                self._check_commit(seq_id, s, n)
-            elif n > s.content.num_tokens:
-                self._check_commit(seq_id, s, n)  # raises: past the known tokens
             packed: array[int] | None = None
             if tokens is not None:
                 if type(tokens) is tuple or type(tokens) is list:  # the common shapes, packed in C
@@ -662,6 +674,17 @@ class KVCacheManager:
                     packed = None
                 elif type(s.content) is PrecomputedHashes:
                     raise SequenceStateError(f"sequence {seq_id!r} was registered by block hashes; no tokens")
+            if n is None:
+                n = s.num_committed
+            elif type(n) is not int:
+                n = _count_arg(n, "num_computed_tokens")
+            if (
+                hooked
+                or s.table is None
+                or not s.num_committed <= n <= s.num_covered + s.lookahead
+                or n > s.content.num_tokens + (len(packed) if packed is not None else 0)
+            ):
+                self._check_commit(seq_id, s, n, len(packed) if packed is not None else 0)
             if type(new) is not int or new < 0:
                 new = _count_arg(new, "num_new_tokens")
             if type(k) is not int or k < 0:
@@ -678,18 +701,26 @@ class KVCacheManager:
                 failed.append(seq_id)  # nothing changed for it
                 continue
             committed = s.num_committed
+            content = s.content
+            if packed is not None:
+                known = content.num_tokens
+                content.extend_packed(packed)
             if n != committed:
                 if n // size == committed // size and n <= s.num_covered:
                     s.num_committed = n  # no block newly full: nothing enters the tree
                 else:
+                    pinned = self._idle_duplicates(s, committed // size, n // size)
+                    if pinned and max(need, 0) + pinned > pool.num_free:  # its commit would take the room
+                        if packed is not None:
+                            content.truncate(known)
+                        failed.append(seq_id)  # nothing changed for it
+                        continue
                     self._commit(s, n)
-            if packed is not None:
-                s.content.extend_packed(packed)
             if need == 0 and covered >= s.num_covered:
                 s.num_covered = covered
                 s.lookahead = k
-            elif not self._grow(s, max(covered, s.num_covered), k):
-                failed.append(seq_id)  # only when its commit pinned an idle duplicate: the commit stays
+            else:
+                self._grow(s, max(covered, s.num_covered), k)  # fits: checked above, pins included
         return failed
 
     @staticmethod

@@ -95,11 +95,6 @@ def test_accepted_drafts_commit_into_lookahead_slots_per_sequence() -> None:
     m.check_integrity()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="step commits before it appends, and checks the commit against the tokens known before the append, "
-    "so a step cannot commit accepted drafts it appends (CommitOutOfRangeError); the per-sequence path can",
-)
 def test_step_commits_the_accepted_drafts_it_appends() -> None:
     m = KVCacheManager(num_blocks=8, block_size=4)
     m.add_sequence("r", [1, 2, 3, 4, 5, 6])
@@ -190,11 +185,6 @@ def test_prefill_plp() -> None:
 # ---------------------------------------------------------------- step: a failed entry changes nothing
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="step checks an entry's blocks before its commit; a commit that pins an idle duplicate takes a free "
-    "block, _grow then fails and the entry is reported failed with its commit (and pin) kept",
-)
 def test_step_failed_entry_changes_nothing_even_when_its_commit_pins_an_idle_block() -> None:
     m = KVCacheManager(num_blocks=4, block_size=2)
     computed(m, "a", [1, 2, 3, 4, 5])  # blocks 0, 1 cached; 2 partial

@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 
 import kvblocks
 from kvblocks import BlockExtras, BlockHasher, HashedTokens, MultimodalItem, Namespace, block_hashes, blocks_overlapping
-from kvblocks.errors import ConfigError, InvalidBlockHashError, InvalidTokenError, SequenceStateError
+from kvblocks.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    InvalidBlockHashError,
+    InvalidTokenError,
+    SequenceStateError,
+)
 from kvblocks.hashing import PrecomputedHashes, pack_tokens
 
 SCHEMES = ["xxh3-128", "sha256", "xxh3-64-1337"]
@@ -384,3 +390,19 @@ def test_public_api_is_exported() -> None:
     assert kvblocks.block_hashes is block_hashes
     for name in kvblocks.__all__:
         assert hasattr(kvblocks, name), name
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=40), st.data())
+@settings(max_examples=100, deadline=None)
+def test_truncate_takes_an_append_back_exactly(tokens: list[int], data) -> None:
+    hasher = BlockHasher(4)
+    keep = data.draw(st.integers(0, len(tokens)))
+    extra = data.draw(st.lists(st.integers(0, 2**32 - 1), max_size=12))
+    content = HashedTokens(hasher, tokens)
+    content.extend(extra)
+    content.truncate(len(tokens))
+    assert content.token_ids == tuple(tokens) and content.hashes == HashedTokens(hasher, tokens).hashes
+    content.truncate(keep)
+    assert content.num_tokens == keep and content.hashes == HashedTokens(hasher, tokens[:keep]).hashes
+    with pytest.raises(InvalidArgumentError):
+        content.truncate(keep + 1)

@@ -217,6 +217,7 @@ def test_the_step_lifecycle_does_the_floors_work() -> None:
         by_step = KVCacheManager(num_blocks=pool, block_size=BLOCK_SIZE)
         cached = serve_chat_step(by_step, WORKLOAD, CONCURRENCY)
         by_calls = serve_chat(KVCacheManager(num_blocks=pool, block_size=BLOCK_SIZE), WORKLOAD, CONCURRENCY)
-        assert cached > 0 and abs(cached - by_calls) <= 0.1 * by_calls  # one token's commit later per step
+        # serve_chat commits each sampled token at once, step one pass later: a block may be found a turn later
+        assert by_calls > 0 and abs(cached - by_calls) <= 0.01 * by_calls
         by_step.check_integrity()
         assert (by_step.stats.evicted_blocks > 0) == (pool == POOL)

@@ -128,8 +128,10 @@ def serve_prefill_by_hashes(manager, requests: list[tuple[str, list, int]], bloc
 def serve_chat_step(manager, workload: ChatWorkload, concurrency: int = 8) -> int:
     """:func:`serve_chat` with one batched ``step`` per decode iteration instead of three calls per sequence.
 
-    Each step commits what the previous forward pass wrote (every known token), appends each
-    sequence's sampled token and gives it a slot for the next pass.
+    Admissions are the same as :func:`serve_chat`'s (prefill committed at once, so requests admitted
+    together share prompts, and both find the same hits). Each step then commits what the previous
+    forward pass wrote (every known token), appends each sequence's sampled token and gives it a slot
+    for the next pass.
     """
     pending = deque(workload.requests)
     running: dict[str, list] = {}  # id -> [request, tokens generated so far]
@@ -142,6 +144,7 @@ def serve_chat_step(manager, workload: ChatWorkload, concurrency: int = 8) -> in
             cached = manager.lookup(req.request_id).device
             if manager.allocate(req.request_id, len(req.prompt) - cached, num_cached_tokens=cached) is None:
                 raise RuntimeError("pool too small for the benchmark's concurrency")
+            manager.commit(req.request_id, len(req.prompt))  # its prefill, as serve_chat has it
             cached_total += cached
             running[req.request_id] = [req, 0]
         ids = list(running)

@@ -484,7 +484,7 @@ class DecodeManager(KVCacheManager):
         total = math.ceil(prompt / size)
         need = total - hits
         pool = self._pool
-        reserve = self._reserve_per_sequence * (self.num_running + 1)
+        reserve = self._reserve_per_sequence * (self.num_running + 1) + self._reserve  # + the config's watermark
         if need + reserve > pool.num_free - pool.count_idle(matched):
             self.decode_counters.handoffs_refused += 1
             return None

@@ -542,3 +542,24 @@ DisaggMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_disagg_state_machine = DisaggMachine.TestCase
+
+
+def test_a_decode_node_also_keeps_the_configured_watermark() -> None:
+    """reserved_blocks (the plain manager's watermark) holds for handoffs as well as admissions."""
+    from kvblocks.config import CacheConfig
+    from kvblocks.disagg import DisaggConfig
+
+    p = PrefillManager(32, B)
+    config = CacheConfig(num_blocks=12, block_size=B, reserved_blocks=2)
+    d = DecodeManager.from_config(config, disagg=DisaggConfig(role="decode", reserve_blocks_per_sequence=1))
+    h = prefilled(p, "a", prompt(1))  # 5 blocks
+    d.accept_handoff(h, prompt(1))
+    d.receive_done("a")  # 7 free
+    other = list(range(2000, 2017))
+    h2 = prefilled(p, "b", other)  # 5 blocks + 1 x 2 running + 2 watermark = 9 > 7
+    with assert_unchanged(d):
+        assert d.accept_handoff(h2, other) is None
+    plain = DecodeManager.from_config(CacheConfig(num_blocks=12, block_size=B), disagg=DisaggConfig(role="decode"))
+    plain.accept_handoff(prefilled(PrefillManager(32, B), "a", prompt(1)), prompt(1))
+    plain.receive_done("a")
+    assert plain.accept_handoff(prefilled(p, "c", other), other) is not None  # 5 + 2 <= 7 without the watermark

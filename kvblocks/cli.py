@@ -3,6 +3,7 @@
     kvblocks replay [TRACE] [--blocks N] [--workers N] [--concurrency N] [--reference] [--json]
     kvblocks sweep TRACE --capacities 1000,5000,10%,50% [--csv PATH] [--plot PATH]
     kvblocks plan (--model NAME | --layers L --kv-heads H --head-dim D) --dtype T --block-size B --memory 40GiB
+    kvblocks plan --model gemma-3-27b --memory 40G [--context 32768]   (a hybrid preset: memory per group)
 
 TRACE is a Mooncake or token-id JSONL file (``.gz`` too) or a bundled trace name
 (``mooncake-conversation``, ``mooncake-synthetic``); without one, ``replay`` runs a built-in
@@ -64,8 +65,11 @@ DTYPE_ALIASES: dict[str, str] = {
 MAX_MEMORY = 1 << 60
 """The largest ``plan --memory`` (1 EiB)."""
 
-PLAN_LIMITS = {"layers": 1024, "kv_heads": 1024, "head_dim": 1 << 16, "block_size": 1 << 16}
-"""Upper bounds of ``plan``'s shape flags (each at least 1)."""
+PLAN_LIMITS = {"layers": 1024, "kv_heads": 1024, "head_dim": 1 << 16, "block_size": 1 << 16, "context": 1 << 27}
+"""Upper bounds of ``plan``'s shape flags and ``--context`` (each at least 1)."""
+
+DEFAULT_CONTEXT = 32768
+"""Tokens per running sequence a hybrid plan is sized for when ``--context`` is not given."""
 
 # Single letters and the "i" forms are binary (as docker, the JVM and free(1) read them); "B" forms are decimal.
 _UNITS = {"": 1, "b": 1}
@@ -244,8 +248,15 @@ def _parser() -> argparse.ArgumentParser:
         help="also draw the curve into PATH (.png, .svg or .pdf; needs the extra kvblocks[plot], matplotlib)",
     )
 
+    from kvblocks.hybrid.presets import HYBRID_PRESETS
+
     plan = commands.add_parser("plan", help="bytes per block and the blocks/tokens a memory budget holds")
-    plan.add_argument("--model", choices=sorted(MODEL_PRESETS), help="a preset model shape (excludes the shape flags)")
+    plan.add_argument(
+        "--model",
+        choices=sorted([*MODEL_PRESETS, *HYBRID_PRESETS]),
+        help="a preset model shape (excludes the shape flags); hybrid presets "
+        f"({', '.join(HYBRID_PRESETS)}) report memory per group of layers",
+    )
     limits = PLAN_LIMITS
     plan.add_argument(
         "--layers", type=_int_in(1, limits["layers"]), help=f"number of layers (1 to {limits['layers']:,})"
@@ -277,6 +288,13 @@ def _parser() -> argparse.ArgumentParser:
         required=True,
         help="KV memory budget, > 0 and at most 1EiB: 40G, 40GiB or 40Gi are binary (2**30), 40GB is decimal (10**9);"
         " also K/M/T/P",
+    )
+    plan.add_argument(
+        "--context",
+        type=_int_in(1, limits["context"]),
+        default=None,
+        help=f"tokens per running sequence the memory split of a hybrid preset is sized for (default "
+        f"{DEFAULT_CONTEXT:,}; 1 to {limits['context']:,}); hybrid presets only",
     )
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return parser
@@ -573,6 +591,13 @@ def _spec(args: argparse.Namespace) -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace, out: Any) -> None:
+    from kvblocks.hybrid.presets import HYBRID_PRESETS
+
+    if args.model in HYBRID_PRESETS:
+        _cmd_plan_hybrid(args, out)
+        return
+    if args.context is not None:
+        raise ConfigError(f"--context sizes the per-group split of a hybrid preset ({', '.join(HYBRID_PRESETS)})")
     spec = _spec(args)
     blocks = spec.num_blocks_for(args.memory)
     plan = {
@@ -594,6 +619,96 @@ def _cmd_plan(args: argparse.Namespace, out: Any) -> None:
         f"blocks           {blocks:,}\n"
         f"tokens           {blocks * spec.block_size:,}\n"
     )
+
+
+def _group_json(plan: Any) -> dict[str, Any]:
+    group = plan.group
+    entry: dict[str, Any] = {"index": plan.index, "kind": group.kind, "num_layers": group.num_layers}
+    entry["layers"] = list(group.layers)
+    for name in ("window", "chunk", "encoder_tokens"):
+        if getattr(group, name) is not None:
+            entry[name] = getattr(group, name)
+    if group.kind == "recurrent":
+        entry["state_tensors"] = [
+            {"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in group.state.tensors
+        ]
+        entry.update(
+            bytes_per_state=group.bytes_per_state, states=plan.units, states_per_sequence=plan.units_per_sequence
+        )
+    else:
+        entry.update(dtype=group.spec.dtype, block_size=group.block_size, bytes_per_block=group.bytes_per_block)
+        entry.update(blocks=plan.units, blocks_per_sequence=plan.units_per_sequence)
+    entry["bytes_per_sequence"] = plan.units_per_sequence * group.unit_bytes
+    entry["bytes"] = plan.bytes
+    return entry
+
+
+def _group_kind(group: Any) -> str:
+    span = {"window": group.window, "chunk": group.chunk, "encoder": group.encoder_tokens}
+    return str(group.kind) + "".join(f" ({name} {value:,})" for name, value in span.items() if value is not None)
+
+
+def _cmd_plan_hybrid(args: argparse.Namespace, out: Any) -> None:
+    """A hybrid preset: memory per group, split so that every group holds the same running sequences."""
+    from kvblocks.hybrid.presets import hybrid_preset
+
+    given = [f"--{n.replace('_', '-')}" for n in _SHAPE_FLAGS if getattr(args, n) is not None]
+    if given:
+        raise ConfigError(f"--model {args.model} sets the shape: drop {', '.join(given)} (or --model)")
+    layout = hybrid_preset(args.model, dtype=args.dtype, block_size=args.block_size)
+    context = DEFAULT_CONTEXT if args.context is None else args.context
+    plan = layout.split(args.memory, context)
+    all_full = layout.all_full().held_bytes(context)
+    groups = [_group_json(g) for g in plan.groups]
+    for entry, g in zip(groups, plan.groups, strict=True):
+        entry["share"] = g.bytes / args.memory
+    if args.json:
+        document = {
+            "model": args.model,
+            "dtype": args.dtype,
+            "num_layers": layout.num_layers,
+            "memory_bytes": args.memory,
+            "context_tokens": context,
+            "bytes_per_sequence": plan.bytes_per_sequence,
+            "all_full_bytes_per_sequence": all_full,
+            "sequences": plan.sequences,
+            "used_bytes": plan.used_bytes,
+            "groups": groups,
+        }
+        out.write(json.dumps(document, indent=2) + "\n")
+        return
+    saving = (
+        ""
+        if all_full == plan.bytes_per_sequence
+        else (f" ({plan.bytes_per_sequence / all_full:.3f} of {all_full:,} if every attention layer were full)")
+    )
+    out.write(
+        f"model            {args.model}: {layout.num_layers} layers in {len(plan.groups)} groups "
+        f"({args.dtype} KV, {args.block_size}-token blocks)\n"
+        f"memory           {args.memory:,} bytes ({plan.used_bytes:,} used)\n"
+        f"context          {context:,} tokens per running sequence\n"
+        f"per sequence     {plan.bytes_per_sequence:,} bytes held{saving}\n"
+        f"sequences        {plan.sequences:,} running at that context, in every group\n"
+    )
+    header = ("group", "kind", "layers", "bytes per unit", "per sequence", "blocks/states", "memory", "share")
+    rows = [header]
+    for g in plan.groups:
+        unit = g.group.unit
+        rows.append(
+            (
+                str(g.index),
+                _group_kind(g.group),
+                str(g.group.num_layers),
+                f"{g.group.unit_bytes:,} per {unit}",
+                f"{g.units_per_sequence:,} {unit}{'s' if g.units_per_sequence != 1 else ''}",
+                f"{g.units:,} {unit}s",
+                f"{g.bytes:,} bytes",
+                f"{100 * g.bytes / args.memory:.1f}%",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        out.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
 # ------------------------------------------------------------------ entry point

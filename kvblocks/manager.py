@@ -662,6 +662,7 @@ class KVCacheManager:
         plan = []
         for seq_id, s, n, tokens, new, k in zip(seq_ids, batch, commits, appends, news, drafts, strict=True):
             packed: array[int] | None = None
+            appended = 0
             if tokens is not None:
                 if type(tokens) is tuple or type(tokens) is list:  # the common shapes, packed in C
                     try:
@@ -670,27 +671,30 @@ class KVCacheManager:
                         packed = pack_tokens(tokens)  # raises, naming the bad position
                 else:
                     packed = pack_tokens(tokens)
-                if not packed:
+                appended = len(packed)
+                if not appended:
                     packed = None
                 elif type(s.content) is PrecomputedHashes:
                     raise SequenceStateError(f"sequence {seq_id!r} was registered by block hashes; no tokens")
+            committed = s.num_committed
             if n is None:
-                n = s.num_committed
+                n = committed
             elif type(n) is not int:
                 n = _count_arg(n, "num_computed_tokens")
+            slots = s.num_covered
             if (
                 hooked
                 or s.table is None
-                or not s.num_committed <= n <= s.num_covered + s.lookahead
-                or n > s.content.num_tokens + (len(packed) if packed is not None else 0)
+                or not committed <= n <= slots + s.lookahead
+                or n > s.content.num_tokens + appended
             ):
-                self._check_commit(seq_id, s, n, len(packed) if packed is not None else 0)
+                self._check_commit(seq_id, s, n, appended)
             if type(new) is not int or new < 0:
                 new = _count_arg(new, "num_new_tokens")
             if type(k) is not int or k < 0:
                 k = _count_arg(k, "num_lookahead_tokens")
             covered = n + new
-            plan.append((seq_id, s, n, packed, covered if covered > s.num_covered else s.num_covered, k))
+            plan.append((seq_id, s, n, packed, covered if covered > slots else slots, k))
         # 2. apply, sequence by sequence; one that cannot get its slots is left as it was
         failed: list[Hashable] = []
         size = self._block_size
@@ -716,7 +720,7 @@ class KVCacheManager:
                         failed.append(seq_id)  # nothing changed for it
                         continue
                     self._commit(s, n)
-            if need == 0 and covered >= s.num_covered:
+            if not need:  # the common case: the table already has the slots
                 s.num_covered = covered
                 s.lookahead = k
             else:

@@ -58,7 +58,7 @@ from kvblocks.hashing import (
     hashes_to_json,
 )
 from kvblocks.manager import BlockTable, KVCacheManager, _Sequence
-from kvblocks.strict_json import MAX_INT, StrictJSONError, brief, is_text, parse
+from kvblocks.strict_json import MAX_INT, brief, is_text, parse_versioned
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.manager import TieredKVCacheManager
 
@@ -157,15 +157,7 @@ class PrefillHandoff:
         format version, a field of a wrong type or out of range, or counts that do not fit
         together is refused.
         """
-        try:
-            raw = parse(data)
-        except StrictJSONError as e:
-            raise HandoffError(f"handoff: {e}") from None
-        if type(raw) is not dict:
-            raise HandoffError("handoff must be a JSON object")
-        version = raw.get("version")
-        if type(version) is not int or version != HANDOFF_VERSION:
-            raise HandoffError(f"handoff format version {brief(version)}; this kvblocks reads {HANDOFF_VERSION}")
+        raw = parse_versioned(data, "handoff", HANDOFF_VERSION, HandoffError)
         missing = _HANDOFF_FIELDS.difference(raw)
         if missing:
             raise HandoffError(f"malformed handoff: missing {', '.join(sorted(missing))}")

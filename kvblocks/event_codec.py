@@ -34,7 +34,7 @@ from kvblocks.hashing import (
     hashes_from_json,
     hashes_to_json,
 )
-from kvblocks.strict_json import MAX_INT, StrictJSONError, brief, is_text, parse
+from kvblocks.strict_json import MAX_INT, brief, is_text, parse_versioned
 
 __all__ = [
     "EVENT_FORMAT_VERSION",
@@ -221,17 +221,7 @@ def decode_batch(data: bytes) -> EventBatch:
     or out of its range (a seq beyond ``MAX_BATCH_SEQ``, a token id beyond ``2**32 - 1``, a
     non-finite timestamp), and a malformed event or hash.
     """
-    try:
-        raw = parse(data)
-    except StrictJSONError as error:
-        raise EventDecodeError(f"event batch: {error}") from None
-    if type(raw) is not dict:
-        raise EventDecodeError("an event batch must be a JSON object")
-    version = raw.get("version")
-    if type(version) is not int or version != EVENT_FORMAT_VERSION:
-        raise EventDecodeError(
-            f"event batch format version {brief(version)}; this kvblocks reads {EVENT_FORMAT_VERSION}"
-        )
+    raw = parse_versioned(data, "event batch", EVENT_FORMAT_VERSION, EventDecodeError)
     producer, seq, ts = raw.get("producer"), raw.get("seq"), raw.get("ts")
     snapshot, events = raw.get("snapshot"), raw.get("events")
     if not is_text(producer) or type(snapshot) is not bool or type(events) is not list:

@@ -14,7 +14,7 @@ import json
 import reprlib
 from typing import Any, TypeGuard
 
-__all__ = ["MAX_INT", "StrictJSONError", "brief", "is_text", "parse"]
+__all__ = ["MAX_INT", "StrictJSONError", "brief", "is_text", "parse", "parse_versioned"]
 
 MAX_INT = 2**63 - 1
 """The largest count or number a wire format of kvblocks accepts (a signed 64-bit int: any engine can hold it)."""
@@ -54,6 +54,20 @@ def parse(data: object) -> Any:
     except (ValueError, TypeError, RecursionError, MemoryError) as error:
         # ValueError covers bad UTF-8, bad JSON and an int beyond Python's digit limit.
         raise StrictJSONError(f"not valid JSON: {brief(str(error))}") from None
+
+
+def parse_versioned(data: object, what: str, version: int, error: type[Exception]) -> dict[str, Any]:
+    """One strict JSON object whose ``"version"`` is ``version``; anything else raises ``error`` naming ``what``."""
+    try:
+        raw = parse(data)
+    except StrictJSONError as e:
+        raise error(f"{what}: {e}") from None
+    if type(raw) is not dict:
+        raise error(f"{what} must be a JSON object")
+    found = raw.get("version")
+    if type(found) is not int or found != version:
+        raise error(f"{what} format version {brief(found)}; this kvblocks reads {version}")
+    return raw
 
 
 def brief(value: object) -> str:

@@ -1,10 +1,14 @@
 """Hybrid models: a cache of groups of layers of different kinds (full attention, sliding window,
-chunked local attention, recurrent state, cross-attention). Plain Python; imports no torch.
+chunked local attention, recurrent state, cross-attention). Plain Python; imports no torch:
+:class:`HybridCaches` and :class:`StatePool`, which allocate the groups' tensors, are loaded on
+first use (and need the ``torch`` extra).
 
 See docs/hybrid.md.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from kvblocks.hybrid.layout import (
     ATTENTION_KINDS,
@@ -27,10 +31,25 @@ __all__ = [
     "CacheGroup",
     "GroupKind",
     "GroupPlan",
+    "HybridCaches",
     "HybridLayout",
     "MemoryPlan",
     "RecurrentState",
+    "StatePool",
     "StateTensor",
     "held_blocks",
     "hybrid_preset",
 ]
+
+
+_TORCH_BACKED = frozenset({"HybridCaches", "StatePool"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_BACKED:  # torch-backed: imported only when asked for
+        from kvblocks.hybrid import tensors
+
+        value = getattr(tensors, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvblocks.hybrid' has no attribute {name!r}")

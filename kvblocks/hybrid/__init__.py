@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvblocks.hybrid.hits import GroupHitRule, hit_step, longest_common_hit, longest_group_hit, needed_blocks
 from kvblocks.hybrid.layout import (
     ATTENTION_KINDS,
     GROUP_KINDS,
@@ -29,6 +30,7 @@ __all__ = [
     "GROUP_KINDS",
     "HYBRID_PRESETS",
     "CacheGroup",
+    "GroupHitRule",
     "GroupKind",
     "GroupPlan",
     "HybridCaches",
@@ -38,7 +40,11 @@ __all__ = [
     "StatePool",
     "StateTensor",
     "held_blocks",
+    "hit_step",
     "hybrid_preset",
+    "longest_common_hit",
+    "longest_group_hit",
+    "needed_blocks",
 ]
 
 

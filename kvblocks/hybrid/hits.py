@@ -1,0 +1,146 @@
+"""Prefix hits of a hybrid model: the longest prefix every group of layers can serve. Pure.
+
+A hit at token ``h`` means the engine starts computing at token ``h``; each kind of group needs
+different cached blocks for that (``h`` on a block boundary of every group)::
+
+    full attention        every block before h                            tokens [0, h)
+    sliding window W      the blocks holding the last W - 1 tokens        tokens [h - W + 1, h)
+    chunked local C       the blocks of h's own chunk before h            tokens [C * floor(h / C), h)
+    recurrent             a state checkpoint taken exactly at h
+    cross-attention       nothing: encoder K/V are computed per request, never prefix-cached
+
+    block size 4, W = 6, a hit at h = 12 (token 12 is computed next and attends to tokens 7..12):
+    block            |  0  |  1  |  2  |
+    full needs          x     x     x
+    window needs              x     x        tokens 7..11
+
+The model's hit is the largest ``h`` that every group serves. Each group in turn gives the largest
+hit it can serve at or below the current limit, and the limit drops to the smallest answer, until no
+group lowers it. The fixed point is the largest common hit: a hit every group serves is never above
+any group's answer, so the limit never drops below it. For full attention "what it can serve" is a
+leading run (serving ``h`` means serving everything below); for the other kinds it is not, which is
+why the search iterates instead of taking one minimum.
+
+Hits are multiples of every group's block size (their least common multiple), so that no group's
+hit ends inside a block. Recurrent checkpoints are taken at such boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvblocks.errors import ConfigError
+from kvblocks.hybrid.layout import GROUP_KINDS, GroupKind
+
+__all__ = ["GroupHitRule", "hit_step", "longest_common_hit", "longest_group_hit", "needed_blocks"]
+
+Cached = Callable[[int], bool]
+"""For an attention group: is block ``position`` (of that group's block size) cached? For a recurrent
+group: is there a state checkpoint at token ``position``?"""
+
+
+@dataclass(frozen=True)
+class GroupHitRule:
+    """What one group needs for a hit: its kind, block size (None for recurrent) and span (W or C)."""
+
+    kind: GroupKind
+    block_size: int | None = None
+    span: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ConfigError(f"unknown group kind {self.kind!r}; known: {', '.join(GROUP_KINDS)}")
+        recurrent = self.kind == "recurrent"
+        size = self.block_size
+        if recurrent:
+            if size is not None:
+                raise ConfigError("a recurrent group has no block size: its states are checkpointed at hit points")
+        elif isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ConfigError(f"a {self.kind} group needs a positive int block_size, got {size!r}")
+        spanned = self.kind in ("sliding_window", "chunked_local")
+        span = self.span
+        if spanned and (isinstance(span, bool) or not isinstance(span, int) or span <= 0):
+            raise ConfigError(f"a {self.kind} group needs a positive int span (window or chunk), got {span!r}")
+        if not spanned and span is not None:
+            raise ConfigError(f"a {self.kind} group takes no span, got {span!r}")
+
+
+def needed_blocks(rule: GroupHitRule, hit: int) -> range:
+    """The blocks of ``rule``'s group that a hit at token ``hit`` needs cached (empty when none)."""
+    kind = rule.kind
+    if kind in ("recurrent", "cross_attention") or hit <= 0:
+        return range(0)
+    size: int = rule.block_size  # type: ignore[assignment]
+    end = -(-hit // size)
+    if kind == "full":
+        return range(end)
+    span: int = rule.span  # type: ignore[assignment]
+    first_token = max(0, hit - span + 1) if kind == "sliding_window" else (hit // span) * span
+    return range(first_token // size, end) if first_token < hit else range(0)
+
+
+def hit_step(rules: Sequence[GroupHitRule]) -> int:
+    """Hits are multiples of this: the least common multiple of the groups' block sizes (1 if none)."""
+    sizes = [r.block_size for r in rules if r.block_size is not None]
+    return math.lcm(*sizes) if sizes else 1
+
+
+def longest_group_hit(rule: GroupHitRule, limit: int, step: int, cached: Cached) -> int:
+    """The largest multiple of ``step`` at or below ``limit`` that this group serves (0 always is).
+
+    Full attention serves a leading run, found in one pass. The other kinds look down from
+    ``limit``; a sliding window skips straight below the first missing block it finds, since no
+    hit whose window covers that block can be served.
+    """
+    top = (limit // step) * step
+    kind = rule.kind
+    if top <= 0 or kind == "cross_attention":
+        return max(top, 0)
+    if kind == "recurrent":
+        h = top
+        while h > 0 and not cached(h):
+            h -= step
+        return h
+    size: int = rule.block_size  # type: ignore[assignment]
+    if kind == "full":
+        run = 0
+        end = top // size
+        while run < end and cached(run):
+            run += 1
+        return (run * size // step) * step
+    h = top
+    while h > 0:
+        missing = next((b for b in reversed(needed_blocks(rule, h)) if not cached(b)), None)
+        if missing is None:
+            return h
+        if kind == "sliding_window":
+            # every hit above block `missing`'s start whose window still reaches it fails too: go below it
+            h = (missing * size // step) * step
+        else:
+            h -= step
+    return 0
+
+
+def longest_common_hit(rules: Sequence[GroupHitRule], limit: int, cached: Sequence[Cached]) -> int:
+    """The largest hit at or below ``limit`` tokens that every group serves (see the module docstring).
+
+    ``cached[i]`` answers for group ``i``: block positions for attention groups, checkpoint token
+    positions for recurrent ones.
+    """
+    if len(rules) != len(cached):
+        raise ConfigError(f"{len(rules)} group rules but {len(cached)} cached-block answers")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ConfigError(f"limit must be an int >= 0 tokens, got {limit!r}")
+    step = hit_step(rules)
+    hit = (limit // step) * step
+    while True:
+        lowest = hit
+        for rule, answer in zip(rules, cached, strict=True):
+            lowest = min(lowest, longest_group_hit(rule, lowest, step, answer))
+            if lowest == 0:
+                return 0
+        if lowest == hit:
+            return hit
+        hit = lowest

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvblocks.hybrid.block_index import FlatBlockIndex
 from kvblocks.hybrid.hits import GroupHitRule, hit_step, longest_common_hit, longest_group_hit, needed_blocks
 from kvblocks.hybrid.layout import (
     ATTENTION_KINDS,
@@ -30,6 +31,7 @@ __all__ = [
     "GROUP_KINDS",
     "HYBRID_PRESETS",
     "CacheGroup",
+    "FlatBlockIndex",
     "GroupHitRule",
     "GroupKind",
     "GroupPlan",

@@ -467,7 +467,7 @@ class KVCacheManager:
         size = self._block_size
         need = (covered + lookahead + size - 1) // size - len(table)
         if need > 0:
-            if need > self._pool.num_free:
+            if need > self._free_for_growth():
                 return False
             table += self._take(need)
         elif need < 0:
@@ -477,6 +477,10 @@ class KVCacheManager:
         s.num_covered = covered
         s.lookahead = lookahead
         return True
+
+    def _free_for_growth(self) -> int:
+        """Blocks a running sequence's growth may take now (a hybrid manager: the scarcest group's)."""
+        return self._pool.num_free
 
     def _admit(self, seq_id: Hashable, s: _Sequence, n: int, k: int, expected: int | None) -> BlockTable | None:
         size = self._block_size
@@ -657,7 +661,9 @@ class KVCacheManager:
             raise  # pragma: no cover - one of them raised
         if len(set(map(id, batch))) != count:
             raise InvalidArgumentError("a sequence appears twice in one step")
-        hooked = type(self)._check_can_change is not KVCacheManager._check_can_change
+        cls = type(self)
+        hooked = cls._check_can_change is not KVCacheManager._check_can_change
+        commit_hooked = cls._commit is not KVCacheManager._commit  # a subclass acts on every commit
         # 1. validate every entry: nothing changes unless the whole batch is sound
         plan = []
         for seq_id, s, n, tokens, new, k in zip(seq_ids, batch, commits, appends, news, drafts, strict=True):
@@ -701,7 +707,7 @@ class KVCacheManager:
         pool = self._pool
         for seq_id, s, n, packed, covered, k in plan:
             need = (covered + k + size - 1) // size - len(s.table)
-            if need > 0 and need > pool.num_free:
+            if need > 0 and need > self._free_for_growth():
                 failed.append(seq_id)  # nothing changed for it
                 continue
             committed = s.num_committed
@@ -710,7 +716,7 @@ class KVCacheManager:
                 known = content.num_tokens
                 content.extend_packed(packed)
             if n != committed:
-                if n // size == committed // size and n <= s.num_covered:
+                if n // size == committed // size and n <= s.num_covered and not commit_hooked:
                     s.num_committed = n  # no block newly full: nothing enters the tree
                 else:
                     pinned = self._idle_duplicates(s, committed // size, n // size)

@@ -24,10 +24,12 @@ from kvblocks.hybrid.layout import (
     StateTensor,
     held_blocks,
 )
+from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup
 from kvblocks.hybrid.presets import HYBRID_PRESETS, hybrid_preset
 
 __all__ = [
     "ATTENTION_KINDS",
+    "PLACEHOLDER",
     "GROUP_KINDS",
     "HYBRID_PRESETS",
     "CacheGroup",
@@ -36,7 +38,9 @@ __all__ = [
     "GroupKind",
     "GroupPlan",
     "HybridCaches",
+    "HybridKVCacheManager",
     "HybridLayout",
+    "LocalGroup",
     "MemoryPlan",
     "RecurrentState",
     "StatePool",

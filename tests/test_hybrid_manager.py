@@ -1,0 +1,176 @@
+"""HybridKVCacheManager: full-attention layers beside sliding-window and chunked-local groups."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
+
+from kvblocks import KVCacheManager, StaleLookupError
+from kvblocks.errors import ConfigError
+from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup
+
+B = 2
+
+
+def hybrid(window: int = 4, chunk: int = 4, blocks: int = 16) -> HybridKVCacheManager:
+    return HybridKVCacheManager(
+        blocks,
+        B,
+        local_groups=[LocalGroup("sliding_window", window, blocks), LocalGroup("chunked_local", chunk, blocks)],
+    )
+
+
+def serve(m: KVCacheManager, seq: str, tokens: list[int]) -> None:
+    m.add_sequence(seq, tokens)
+    seen = m.lookup(seq).total
+    assert m.allocate(seq, len(tokens) - seen, num_cached_tokens=seen) is not None
+    m.commit(seq, len(tokens))
+
+
+def test_a_window_group_releases_what_no_later_token_attends_to() -> None:
+    m = hybrid(window=4)
+    serve(m, "a", list(range(11)))  # next token 11 attends 8..11: window positions 0-3 leave
+    assert m.group_block_table("a", 0) == [0, 1, 2, 3, 4, 5]
+    assert m.group_block_table("a", 1) == [PLACEHOLDER] * 4 + [4, 5]
+    assert m.group_block_table("a", 2) == [PLACEHOLDER] * 4 + [4, 5]  # chunk 2 (tokens 8..11)
+    assert m.group_pool(1).num_idle == 4  # released blocks stay cached
+    m.check_integrity()
+
+
+def test_a_hit_needs_only_the_window_in_a_window_group() -> None:
+    m = hybrid(window=4, chunk=8)
+    serve(m, "a", list(range(13)))
+    m.free("a")
+    assert m._locals[0].index.evict(2) == [0, 1]  # the window group's oldest: not needed by a hit at 12
+    m.add_sequence("b", list(range(13)))
+    assert m.lookup("b").device == 12  # full run 6 blocks; window needs tokens 9..11 -> positions 4, 5
+    table = m.allocate("b", 1, num_cached_tokens=12)
+    assert table is not None and table.num_cached_tokens == 12
+    assert m.group_block_table("b", 1)[:4] == [PLACEHOLDER] * 4
+    m.check_integrity()
+
+
+def test_configuration_errors() -> None:
+    for bad in (
+        {"local_groups": []},
+        {"local_groups": ["window"]},
+        {"local_groups": [LocalGroup("sliding_window", 4, 8)], "drop_last_matched_block": True},
+    ):
+        with pytest.raises((ConfigError, TypeError)):
+            HybridKVCacheManager(8, B, **bad)
+    for bad in (("full", 4, 8), ("sliding_window", 0, 8), ("chunked_local", 4, 0)):
+        with pytest.raises(ConfigError):
+            LocalGroup(*bad)
+
+
+# ---------------------------------------------------------------- state machine
+
+
+class HybridMachine(RuleBasedStateMachine):
+    """Random admissions, steps (chunked and decode), frees and preemptions over a full group, a window
+    group and a chunked group, with a shadow of every group's KV: every block any group finds or hands
+    out holds exactly that prefix's content, references equal holders, and a decoding sequence holds at
+    most ceil(W / B) + 1 window blocks."""
+
+    seqs = Bundle("seqs")
+
+    @initialize(window=st.integers(1, 7), chunk=st.sampled_from([2, 4, 6]), blocks=st.integers(6, 14))
+    def setup(self, window: int, chunk: int, blocks: int) -> None:
+        self.window = window
+        self.m = hybrid(window=window, chunk=chunk, blocks=blocks)
+        self.shadow: list[dict[int, object]] = [{}, {}, {}]
+        self.count = 0
+
+    @rule(target=seqs, head=st.integers(0, 2), length=st.integers(1, 14), skip=st.booleans())
+    def add(self, head: int, length: int, skip: bool):
+        seq = f"s{self.count}"
+        self.count += 1
+        tokens = [head * 100 + i for i in range(length)]
+        self.m.add_sequence(seq, tokens, skip_cache_read=skip and length % 3 == 0)
+        return seq
+
+    def tables(self, seq: str) -> list[list[int]]:
+        return [self.m.group_block_table(seq, g) for g in range(3)]
+
+    @rule(seq=seqs, chunk=st.integers(1, 14), stale=st.booleans())
+    def admit(self, seq: str, chunk: int, stale: bool) -> None:
+        m = self.m
+        if m.is_admitted(seq):
+            return
+        seen = m.lookup(seq).total
+        n = min(chunk, m.num_tokens(seq) - seen)
+        try:
+            table = m.allocate(seq, n, num_cached_tokens=seen if not stale else max(0, seen - B))
+        except StaleLookupError:
+            return
+        if table is None:
+            return
+        hit = table.num_cached_tokens
+        event("admission with a hit" if hit else "admission without a hit")
+        hashes = m.block_hashes(seq)
+        for g, group_table in enumerate(self.tables(seq)):
+            for position in range(hit // B):
+                block = group_table[position]
+                if block != PLACEHOLDER:
+                    assert self.shadow[g][block] == hashes[position], "a hit handed out another prefix's KV"
+
+    @rule(seq=seqs, new=st.integers(1, 6), sample=st.booleans(), k=st.integers(0, 3))
+    def step(self, seq: str, new: int, sample: bool, k: int) -> None:
+        m = self.m
+        if not m.is_admitted(seq):
+            return
+        computed = min(m.num_allocated_tokens(seq), m.num_tokens(seq))
+        before = m.num_computed_tokens(seq)
+        hashes = m.block_hashes(seq)
+        tables = self.tables(seq)
+        # the forward pass writes every full block it completes, in every group
+        for g, group_table in enumerate(tables):
+            for position in range(before // B, computed // B):
+                assert group_table[position] != PLACEHOLDER
+                self.shadow[g][group_table[position]] = hashes[position]
+        tokens = [[7]] if sample and computed == m.num_tokens(seq) and m.token_ids(seq) is not None else None
+        failed = m.step([seq], [computed], tokens, new, k)
+        event("step failed" if failed else "step")
+        if failed:
+            assert m.num_computed_tokens(seq) == before
+
+    @rule(seq=consumes(seqs))
+    def free(self, seq: str) -> None:
+        self.m.free(seq)
+
+    @rule(seq=seqs)
+    def preempt(self, seq: str) -> None:
+        if self.m.is_admitted(seq):
+            self.m.preempt(seq)
+
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        m = self.m
+        m.check_integrity()
+        tree = m.tree
+        for b in range(m.num_blocks):
+            h = tree.hash_of(b)
+            if h is not None:
+                assert self.shadow[0].get(b) == h, "a findable full-attention block holds other KV"
+        for g, local in enumerate(m._locals, 1):
+            for b in range(local.pool.num_blocks):
+                h = local.index.hash_of(b)
+                if h is not None:
+                    assert self.shadow[g].get(b) == h, f"a findable block of group {g} holds other KV"
+        bound = math.ceil(self.window / B) + 1
+        for seq_id in list(m._seqs):
+            if m.is_admitted(seq_id) and m.num_allocated_tokens(seq_id) == m.num_computed_tokens(seq_id) + 1:
+                held = sum(b != PLACEHOLDER for b in m.group_block_table(seq_id, 1))
+                if held < len(m.group_block_table(seq_id, 1)):
+                    event("a decoding sequence released window blocks")
+                assert held <= bound, f"{held} window blocks held, bound {bound}"
+
+
+HybridMachine.TestCase.settings = settings(max_examples=250, stateful_step_count=50, deadline=None)
+TestHybridMachine = HybridMachine.TestCase

@@ -26,6 +26,7 @@ The manager is not thread-safe: call it from the scheduler's thread.
 from __future__ import annotations
 
 import operator
+import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
@@ -61,6 +62,7 @@ from kvblocks.radix import PrefixTree
 __all__ = ["BlockTable", "KVCacheManager"]
 
 _FREED_MEMORY = 8192  # how many freed ids are remembered to tell a double free from an unknown id
+_NEVER = sys.maxsize
 
 
 class BlockTable(Sequence[int]):
@@ -141,6 +143,7 @@ class _Sequence:
         "skip_read",
         "table",
         "view",
+        "watch",
     )
 
     def __init__(self, content: HashedTokens | PrecomputedHashes, skip_read: bool = False) -> None:
@@ -153,6 +156,7 @@ class _Sequence:
         self.num_committed = 0  # tokens whose KV is written (cached prefix included)
         self.preempted = False
         self.skip_read = skip_read  # never take a hit (prompt logprobs need every token computed); still writes
+        self.watch = _NEVER  # a commit reaching this many tokens must go through _commit (a subclass acts there)
 
 
 def _count_arg(value: object, what: str) -> int:
@@ -661,9 +665,7 @@ class KVCacheManager:
             raise  # pragma: no cover - one of them raised
         if len(set(map(id, batch))) != count:
             raise InvalidArgumentError("a sequence appears twice in one step")
-        cls = type(self)
-        hooked = cls._check_can_change is not KVCacheManager._check_can_change
-        commit_hooked = cls._commit is not KVCacheManager._commit  # a subclass acts on every commit
+        hooked = type(self)._check_can_change is not KVCacheManager._check_can_change
         # 1. validate every entry: nothing changes unless the whole batch is sound
         plan = []
         for seq_id, s, n, tokens, new, k in zip(seq_ids, batch, commits, appends, news, drafts, strict=True):
@@ -716,8 +718,8 @@ class KVCacheManager:
                 known = content.num_tokens
                 content.extend_packed(packed)
             if n != committed:
-                if n // size == committed // size and n <= s.num_covered and not commit_hooked:
-                    s.num_committed = n  # no block newly full: nothing enters the tree
+                if n // size == committed // size and n <= s.num_covered and n < s.watch:
+                    s.num_committed = n  # no block newly full, nothing watched: nothing enters the tree
                 else:
                     pinned = self._idle_duplicates(s, committed // size, n // size)
                     if pinned and max(need, 0) + pinned > pool.num_free:  # its commit would take the room
@@ -807,6 +809,7 @@ class KVCacheManager:
         s.view = None
         s.pins = None
         s.num_covered = s.num_committed = s.lookahead = 0
+        s.watch = _NEVER
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (after a weight update, say). Refused (False) while any block is in use."""

@@ -19,6 +19,7 @@ manager's commit rule), so nothing unwritten is ever found here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import islice
 
 from kvblocks.errors import IntegrityError, InvalidArgumentError, InvalidBlockHashError, InvalidBlockIdError
@@ -92,6 +93,23 @@ class FlatBlockIndex:
         self._block_of[block_hash] = block
         self._hash_of[block] = block_hash
         return block
+
+    def insert_run(self, hashes: Sequence[BlockHash], blocks: Sequence[int], start: int, stop: int) -> None:
+        """Index ``blocks[p]`` under ``hashes[p]`` for ``start <= p < stop``: a manager's commit of held blocks.
+
+        The manager's own hashes and held blocks are valid by construction, so this skips
+        :meth:`insert`'s argument checks; a hash already cached keeps its block (ours stays private).
+        """
+        block_of = self._block_of
+        hash_of = self._hash_of
+        key = self.pool._key
+        for position in range(start, stop):
+            h = hashes[position]
+            if h not in block_of:
+                b = blocks[position]
+                block_of[h] = b
+                hash_of[b] = h
+                key[b] = h
 
     def evict(self, count: int, removed_hashes: list[BlockHash] | None = None) -> list[int]:
         """Evict up to ``count`` idle blocks, least recently released first; they become fresh. Returns them."""

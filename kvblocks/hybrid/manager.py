@@ -64,18 +64,23 @@ class LocalGroup:
 class _Local:
     """A local group's state: its rule, pool, index and the tables of admitted sequences."""
 
-    __slots__ = ("index", "pool", "rule", "tables")
+    __slots__ = ("block_size", "index", "pool", "released", "rule", "sliding", "span", "tables")
 
     def __init__(self, group: LocalGroup, block_size: int) -> None:
         self.rule = GroupHitRule(group.kind, block_size, group.span)  # type: ignore[arg-type]
+        self.sliding = group.kind == "sliding_window"
+        self.span = group.span
+        self.block_size = block_size
         self.pool = BlockPool(group.num_blocks)
         self.index = FlatBlockIndex(self.pool)
         self.tables: dict[int, list[int]] = {}  # id(_Sequence) -> table
+        self.released: dict[int, int] = {}  # id(_Sequence) -> leading positions already released
 
     def first_needed(self, next_token: int) -> int:
-        """The first block position any token from ``next_token`` on attends to."""
-        span = needed_blocks(self.rule, next_token)
-        return span.start if span else next_token // self.rule.block_size  # type: ignore[operator]
+        """The first block position any token from ``next_token`` on attends to (its window's or chunk's start)."""
+        span = self.span
+        start = max(0, next_token - span + 1) if self.sliding else next_token - next_token % span
+        return start // self.block_size
 
     def take(self, count: int) -> list[int]:
         pool = self.pool
@@ -136,7 +141,6 @@ class HybridKVCacheManager(KVCacheManager):
         if self._drop_last:
             raise ConfigError("drop_last_matched_block is not supported with local groups yet")
         self._locals = [_Local(g, self._block_size) for g in groups]
-        self._full_rule = GroupHitRule("full", self._block_size)
 
     # ------------------------------------------------------------------ queries
 
@@ -169,10 +173,12 @@ class HybridKVCacheManager(KVCacheManager):
         content = s.content
         hashes = content.hashes
         limit = self._cacheable_blocks(content.num_tokens)
-        run = self._tree.match_length(hashes, limit)
-        rules = [self._full_rule, *(local.rule for local in self._locals)]
-        answers = [run.__gt__, *(_indexed(local.index, hashes) for local in self._locals)]
-        return longest_common_hit(rules, limit * self._block_size, answers) // self._block_size
+        run = self._tree.match_length(hashes, limit)  # full attention serves exactly the hits up to its run
+        if not run:
+            return 0
+        rules = [local.rule for local in self._locals]
+        answers = [_indexed(local.index, hashes) for local in self._locals]
+        return longest_common_hit(rules, run * self._block_size, answers) // self._block_size
 
     def _match_length(self, s: _Sequence) -> int:
         return self._hit_blocks(s)
@@ -236,6 +242,7 @@ class HybridKVCacheManager(KVCacheManager):
             if need:
                 table += local.take(need)
             local.tables[id(s)] = table
+            local.released[id(s)] = first
         if need:
             matched += self._take(need)
         s.table = matched
@@ -243,6 +250,7 @@ class HybridKVCacheManager(KVCacheManager):
         s.num_covered = covered
         s.lookahead = k
         s.num_committed = hit * size
+        self._watch(s, hit * size)
         self._admitted(seq_id, CachedTokens(device=hit * size, num_prompt_tokens=s.content.num_tokens), s.preempted)
         return s.view
 
@@ -267,30 +275,46 @@ class HybridKVCacheManager(KVCacheManager):
     # ------------------------------------------------------------------ commit and release
 
     def _commit(self, s: _Sequence, n: int) -> None:
-        start = s.num_committed // self._block_size
-        super()._commit(s, n)
-        full = n // self._block_size
-        hashes = s.content.hashes
+        size = self._block_size
+        start = s.num_committed // size
+        full = n // size
+        if full > start or n > s.num_covered:
+            super()._commit(s, n)
+        else:
+            s.num_committed = n  # no block newly full: nothing to cache in any group
+        key = id(s)
         for local in self._locals:
-            table = local.tables[id(s)]
-            if self._caching:
-                for position in range(start, full):
-                    local.index.insert(hashes[position], table[position])  # a duplicate stays private
-            self._leave_window(local, table, n)
+            table = local.tables[key]
+            if full > start and self._caching:
+                local.index.insert_run(s.content.hashes, table, start, full)  # a duplicate stays private
+            done = local.released[key]
+            span = local.span
+            first = (max(0, n - span + 1) if local.sliding else n - n % span) // size
+            if first > done:  # release what no token from n on attends to (cached if committed)
+                leaving = [b for b in table[done:first] if b != PLACEHOLDER]
+                local.pool._release_valid(leaving)  # oldest first: they leave the window in that order
+                table[done:first] = [PLACEHOLDER] * (first - done)
+                local.released[key] = first
+        self._watch(s, n)
 
-    @staticmethod
-    def _leave_window(local: _Local, table: list[int], next_token: int) -> None:
-        """Release the blocks no token from ``next_token`` on attends to (they stay cached if committed)."""
-        first = local.first_needed(next_token)
-        leaving = [b for b in table[:first] if b != PLACEHOLDER]
-        if leaving:
-            local.pool._release_valid(leaving)  # oldest first: they leave the window in that order
-            table[:first] = [PLACEHOLDER] * first
+    def _watch(self, s: _Sequence, n: int) -> None:
+        """Ask the step to call :meth:`_commit` again when a window may move past a block boundary."""
+        size = self._block_size
+        watch = n + 1 if not self._locals else None
+        for local in self._locals:
+            span = local.span
+            if local.sliding:  # the window's first block moves when n - W + 1 reaches the next block start
+                nxt = (max(0, n - span + 1) // size + 1) * size + span - 1
+            else:  # the chunk start moves at the next chunk
+                nxt = (n // span + 1) * span
+            watch = nxt if watch is None or nxt < watch else watch
+        s.watch = watch  # type: ignore[assignment]
 
     def _release(self, s: _Sequence) -> None:
         if s.table is not None:
             for local in self._locals:
                 table = local.tables.pop(id(s))
+                del local.released[id(s)]
                 local.pool._release_valid(b for b in reversed(table) if b != PLACEHOLDER)
         super()._release(s)
 
@@ -335,8 +359,9 @@ class HybridKVCacheManager(KVCacheManager):
 def _indexed(index: FlatBlockIndex, hashes: Sequence[BlockHash]) -> Callable[[int], bool]:
     """Whether block position ``p`` is cached in ``index`` (a hash past the known ones never is)."""
     count = len(hashes)
+    block_of = index._block_of  # the package's own index: read its table directly on this hot path
 
     def cached(position: int) -> bool:
-        return position < count and hashes[position] in index
+        return position < count and hashes[position] in block_of
 
     return cached

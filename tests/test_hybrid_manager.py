@@ -78,11 +78,16 @@ class HybridMachine(RuleBasedStateMachine):
 
     seqs = Bundle("seqs")
 
-    @initialize(window=st.integers(1, 7), chunk=st.sampled_from([2, 4, 6]), blocks=st.integers(6, 14))
-    def setup(self, window: int, chunk: int, blocks: int) -> None:
+    @initialize(
+        window=st.integers(1, 7), chunk=st.sampled_from([2, 4, 6]), blocks=st.integers(6, 14), both=st.booleans()
+    )
+    def setup(self, window: int, chunk: int, blocks: int, both: bool) -> None:
         self.window = window
-        self.m = hybrid(window=window, chunk=chunk, blocks=blocks)
-        self.shadow: list[dict[int, object]] = [{}, {}, {}]
+        if both:
+            self.m = hybrid(window=window, chunk=chunk, blocks=blocks)
+        else:  # one local group: the manager's single-group path
+            self.m = HybridKVCacheManager(blocks, B, local_groups=[LocalGroup("sliding_window", window, blocks)])
+        self.shadow: list[dict[int, object]] = [{} for _ in range(self.m.num_groups)]
         self.count = 0
 
     @rule(target=seqs, head=st.integers(0, 2), length=st.integers(1, 14), skip=st.booleans())
@@ -94,7 +99,7 @@ class HybridMachine(RuleBasedStateMachine):
         return seq
 
     def tables(self, seq: str) -> list[list[int]]:
-        return [self.m.group_block_table(seq, g) for g in range(3)]
+        return [self.m.group_block_table(seq, g) for g in range(self.m.num_groups)]
 
     @rule(seq=seqs, chunk=st.integers(1, 14), stale=st.booleans())
     def admit(self, seq: str, chunk: int, stale: bool) -> None:

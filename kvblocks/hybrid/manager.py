@@ -34,7 +34,7 @@ from kvblocks.errors import ConfigError, IntegrityError, StaleLookupError
 from kvblocks.events import EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
 from kvblocks.hybrid.block_index import FlatBlockIndex
-from kvblocks.hybrid.hits import GroupHitRule, longest_common_hit, needed_blocks
+from kvblocks.hybrid.hits import GroupHitRule, longest_common_hit, longest_group_hit, needed_blocks
 from kvblocks.manager import BlockTable, KVCacheManager, _Sequence
 from kvblocks.pool import BlockPool
 
@@ -176,9 +176,14 @@ class HybridKVCacheManager(KVCacheManager):
         run = self._tree.match_length(hashes, limit)  # full attention serves exactly the hits up to its run
         if not run:
             return 0
-        rules = [local.rule for local in self._locals]
-        answers = [_indexed(local.index, hashes) for local in self._locals]
-        return longest_common_hit(rules, run * self._block_size, answers) // self._block_size
+        size = self._block_size
+        locals_ = self._locals
+        if len(locals_) == 1:  # one local group: its own answer below the run is the fixed point
+            local = locals_[0]
+            return longest_group_hit(local.rule, run * size, size, _indexed(local.index, hashes)) // size
+        rules = [local.rule for local in locals_]
+        answers = [_indexed(local.index, hashes) for local in locals_]
+        return longest_common_hit(rules, run * size, answers) // size
 
     def _match_length(self, s: _Sequence) -> int:
         return self._hit_blocks(s)

@@ -498,6 +498,8 @@ class KVCacheManager:
         need = (covered + k + size - 1) // size - hits
         if need > pool.num_free - pool.count_idle(matched) - self._reserve:
             return None
+        if not self._admit_beside(seq_id, s, hits, need):
+            return None
         if hits:
             pool._acquire_valid(matched)  # nodes the tree just matched: valid by construction
         if need:
@@ -509,6 +511,11 @@ class KVCacheManager:
         s.num_committed = hits * size
         self._admitted(seq_id, CachedTokens(device=hits * size, num_prompt_tokens=s.content.num_tokens), s.preempted)
         return s.view
+
+    def _admit_beside(self, seq_id: Hashable, s: _Sequence, hits: int, need: int) -> bool:
+        """Other layer groups' part of an admission of ``hits`` cached and ``need`` new blocks, once this
+        pool has room: take it, or change nothing and return False. None here (a hybrid manager has them)."""
+        return True
 
     def _check_expected(self, seq_id: Hashable, expected: int, available: int) -> None:
         if expected > available:

@@ -28,14 +28,13 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
 from kvblocks.errors import ConfigError, IntegrityError, StaleLookupError
 from kvblocks.events import EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
 from kvblocks.hybrid.block_index import FlatBlockIndex
 from kvblocks.hybrid.hits import GroupHitRule, longest_common_hit, longest_group_hit, needed_blocks
-from kvblocks.manager import BlockTable, KVCacheManager, _Sequence
+from kvblocks.manager import KVCacheManager, _Sequence
 from kvblocks.pool import BlockPool
 
 __all__ = ["PLACEHOLDER", "HybridKVCacheManager", "LocalGroup"]
@@ -81,6 +80,13 @@ class _Local:
         span = self.span
         start = max(0, next_token - span + 1) if self.sliding else next_token - next_token % span
         return start // self.block_size
+
+    def next_move(self, next_token: int) -> int:
+        """The smallest token count from which :meth:`first_needed` may exceed its value at ``next_token``."""
+        span = self.span
+        if self.sliding:  # the window's first block moves when n - W + 1 reaches the next block start
+            return (self.first_needed(next_token) + 1) * self.block_size + span - 1
+        return (next_token // span + 1) * span  # the chunk start moves at the next chunk
 
     def take(self, count: int) -> list[int]:
         pool = self.pool
@@ -152,17 +158,18 @@ class HybridKVCacheManager(KVCacheManager):
     def group_block_table(self, seq_id: Hashable, group: int) -> list[int]:
         """Group ``group``'s table of ``seq_id`` (0: the full-attention table); PLACEHOLDER where released."""
         s = self._get(seq_id)
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.num_groups:
-            raise ConfigError(f"group must be an int in [0, {self.num_groups}), got {group!r}")
-        if group == 0:
+        if self._group(group) == 0:
             return list(s.table or ())
         return list(self._locals[group - 1].tables.get(id(s), ()))
 
     def group_pool(self, group: int) -> BlockPool:
         """The block pool of local group ``group`` (1, 2, ...); group 0's is :attr:`pool`."""
+        return self._pool if self._group(group) == 0 else self._locals[group - 1].pool
+
+    def _group(self, group: object) -> int:
         if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.num_groups:
             raise ConfigError(f"group must be an int in [0, {self.num_groups}), got {group!r}")
-        return self._pool if group == 0 else self._locals[group - 1].pool
+        return group
 
     # ------------------------------------------------------------------ the hit every group serves
 
@@ -217,47 +224,28 @@ class HybridKVCacheManager(KVCacheManager):
         kept = [block_of(hashes[p]) for p in needed_blocks(local.rule, hit * self._block_size)]
         return None if None in kept else kept  # type: ignore[return-value]
 
-    def _admit(self, seq_id: Hashable, s: _Sequence, n: int, k: int, expected: int | None) -> BlockTable | None:
-        size = self._block_size
-        pool = self._pool
-        matched = self._match(s)
-        if expected is not None:
-            self._check_expected(seq_id, expected, len(matched))
-            del matched[expected:]
-        hit = len(matched)
-        covered = hit * size + n
-        need = (covered + k + size - 1) // size - hit
-        if need > pool.num_free - pool.count_idle(matched) - self._reserve:
-            return None
-        found = [self._local_hit(local, s, hit) for local in self._locals]
+    def _admit_beside(self, seq_id: Hashable, s: _Sequence, hits: int, need: int) -> bool:
+        """Each local group keeps the window blocks the hit needs and takes ``need`` new ones, or none does."""
+        found = [self._local_hit(local, s, hits) for local in self._locals]
         if None in found:  # only when the caller named a shorter hit than every group serves together
             raise StaleLookupError(
-                f"sequence {seq_id!r}: a local group no longer holds the window of the {hit * size}-token hit seen"
+                f"sequence {seq_id!r}: a local group no longer holds the window of the "
+                f"{hits * self._block_size}-token hit seen"
             )
         kept: list[list[int]] = found  # type: ignore[assignment]
         for local, blocks in zip(self._locals, kept, strict=True):
             if need > local.pool.num_free - local.pool.count_idle(blocks):
-                return None
-        if hit:
-            pool._acquire_valid(matched)
+                return False
         for local, blocks in zip(self._locals, kept, strict=True):
             local.pool._acquire_valid(blocks)
-            first = hit - len(blocks)
+            first = hits - len(blocks)
             table = [PLACEHOLDER] * first + blocks
             if need:
                 table += local.take(need)
             local.tables[id(s)] = table
             local.released[id(s)] = first
-        if need:
-            matched += self._take(need)
-        s.table = matched
-        s.view = BlockTable(matched, hit * size)
-        s.num_covered = covered
-        s.lookahead = k
-        s.num_committed = hit * size
-        self._watch(s, hit * size)
-        self._admitted(seq_id, CachedTokens(device=hit * size, num_prompt_tokens=s.content.num_tokens), s.preempted)
-        return s.view
+        self._watch(s, hits * self._block_size)
+        return True
 
     def _free_for_growth(self) -> int:
         return min(self._pool.num_free, *(local.pool.num_free for local in self._locals))
@@ -293,8 +281,7 @@ class HybridKVCacheManager(KVCacheManager):
             if full > start and self._caching:
                 local.index.insert_run(s.content.hashes, table, start, full)  # a duplicate stays private
             done = local.released[key]
-            span = local.span
-            first = (max(0, n - span + 1) if local.sliding else n - n % span) // size
+            first = local.first_needed(n)
             if first > done:  # release what no token from n on attends to (cached if committed)
                 leaving = [b for b in table[done:first] if b != PLACEHOLDER]
                 local.pool._release_valid(leaving)  # oldest first: they leave the window in that order
@@ -304,16 +291,7 @@ class HybridKVCacheManager(KVCacheManager):
 
     def _watch(self, s: _Sequence, n: int) -> None:
         """Ask the step to call :meth:`_commit` again when a window may move past a block boundary."""
-        size = self._block_size
-        watch = n + 1 if not self._locals else None
-        for local in self._locals:
-            span = local.span
-            if local.sliding:  # the window's first block moves when n - W + 1 reaches the next block start
-                nxt = (max(0, n - span + 1) // size + 1) * size + span - 1
-            else:  # the chunk start moves at the next chunk
-                nxt = (n // span + 1) * span
-            watch = nxt if watch is None or nxt < watch else watch
-        s.watch = watch  # type: ignore[assignment]
+        s.watch = min(local.next_move(n) for local in self._locals)
 
     def _release(self, s: _Sequence) -> None:
         if s.table is not None:

@@ -19,22 +19,29 @@ table whose positions outside its window hold :data:`PLACEHOLDER` once released:
 * Growth (``allocate`` of a running sequence, ``step``) takes one block per new position in every
   group, or nothing: a sequence grows only when every group has room.
 
-What is left for later (issue 14): recurrent and cross-attention groups, different block sizes per
-group, events, tiers and handoffs for local groups, and ``drop_last_matched_block``.
+* Recurrent groups (:mod:`kvblocks.hybrid.recurrent`) hold one running state slot per admitted
+  sequence and cache state checkpoints at block boundaries; the manager plans the state copies
+  (:meth:`HybridKVCacheManager.take_state_plan`) and a hit needs a checkpoint exactly at its end.
+
+Groups are numbered 0 (full attention), then the local groups in the order given, then the recurrent
+groups. What is left for later (issue 14): cross-attention groups, different block sizes per group,
+tiers for local groups, and ``drop_last_matched_block``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from kvblocks.config import CacheConfig
-from kvblocks.errors import ConfigError, IntegrityError, StaleLookupError
+from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, StaleLookupError
 from kvblocks.events import EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
 from kvblocks.hybrid.block_index import FlatBlockIndex
 from kvblocks.hybrid.hits import GroupHitRule, longest_common_hit, longest_group_hit, needed_blocks
-from kvblocks.manager import KVCacheManager, _Sequence
+from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy, _Recurrent
+from kvblocks.manager import _NEVER, KVCacheManager, _Sequence
 from kvblocks.pool import BlockPool
 
 __all__ = ["PLACEHOLDER", "HybridKVCacheManager", "LocalGroup"]
@@ -113,7 +120,8 @@ class HybridKVCacheManager(KVCacheManager):
         num_blocks: int,
         block_size: int,
         *,
-        local_groups: Sequence[LocalGroup],
+        local_groups: Sequence[LocalGroup] = (),
+        recurrent_groups: Sequence[RecurrentGroup] = (),
         hash_scheme: str = DEFAULT_SCHEME,
         namespace: str | Namespace = "default",
         enable_prefix_caching: bool = True,
@@ -129,42 +137,121 @@ class HybridKVCacheManager(KVCacheManager):
             event_sink=event_sink,
             reserved_blocks=reserved_blocks,
         )
-        self._setup_locals(local_groups)
+        self._setup_groups(local_groups, recurrent_groups)
 
     @classmethod
-    def from_config(  # type: ignore[override]
-        cls, config: CacheConfig, *, local_groups: Sequence[LocalGroup], event_sink: EventSink | None = None
+    def from_config(
+        cls,
+        config: CacheConfig,
+        *,
+        local_groups: Sequence[LocalGroup] = (),
+        recurrent_groups: Sequence[RecurrentGroup] = (),
+        event_sink: EventSink | None = None,
     ) -> HybridKVCacheManager:
         manager = cls.__new__(cls)
         manager._setup(config, event_sink)
-        manager._setup_locals(local_groups)
+        manager._setup_groups(local_groups, recurrent_groups)
         return manager
 
-    def _setup_locals(self, local_groups: Sequence[LocalGroup]) -> None:
-        groups = list(local_groups)
-        if not groups or not all(isinstance(g, LocalGroup) for g in groups):
-            raise ConfigError("local_groups must be a non-empty sequence of LocalGroup (else use KVCacheManager)")
+    def _setup_groups(self, local_groups: Sequence[LocalGroup], recurrent_groups: Sequence[RecurrentGroup]) -> None:
+        if isinstance(local_groups, (str, bytes)) or isinstance(recurrent_groups, (str, bytes)):
+            raise ConfigError("local_groups and recurrent_groups must be sequences of groups")
+        locals_ = list(local_groups)
+        recurrents = list(recurrent_groups)
+        if not all(isinstance(g, LocalGroup) for g in locals_):
+            raise ConfigError("local_groups must hold LocalGroup instances")
+        if not all(isinstance(g, RecurrentGroup) for g in recurrents):
+            raise ConfigError("recurrent_groups must hold RecurrentGroup instances")
+        if not locals_ and not recurrents:
+            raise ConfigError("a hybrid manager needs a local or a recurrent group (else use KVCacheManager)")
         if self._drop_last:
-            raise ConfigError("drop_last_matched_block is not supported with local groups yet")
-        self._locals = [_Local(g, self._block_size) for g in groups]
+            raise ConfigError("drop_last_matched_block is not supported with hybrid groups yet")
+        size = self._block_size
+        self._locals = [_Local(g, size) for g in locals_]
+        first = 1 + len(locals_)
+        self._recurrents = [_Recurrent(g, first + i, size) for i, g in enumerate(recurrents)]
+        self._kinds = ("full", *(g.kind for g in locals_), *("recurrent" for _ in recurrents))
 
     # ------------------------------------------------------------------ queries
 
     @property
     def num_groups(self) -> int:
-        """Groups of layers: the full-attention group (0) and the local groups (1, 2, ...)."""
-        return 1 + len(self._locals)
+        """Groups of layers: full attention (0), the local groups (1, 2, ...), then the recurrent groups."""
+        return len(self._kinds)
+
+    @property
+    def group_kinds(self) -> tuple[str, ...]:
+        """Each group's kind, by group index."""
+        return self._kinds
 
     def group_block_table(self, seq_id: Hashable, group: int) -> list[int]:
-        """Group ``group``'s table of ``seq_id`` (0: the full-attention table); PLACEHOLDER where released."""
+        """Group ``group``'s table of ``seq_id`` (0: the full-attention table); PLACEHOLDER where released.
+
+        A recurrent group has no table (:meth:`state_slot` is its per-sequence state).
+        """
         s = self._get(seq_id)
-        if self._group(group) == 0:
+        number = self._group(group)
+        if number == 0:
             return list(s.table or ())
-        return list(self._locals[group - 1].tables.get(id(s), ()))
+        if number > len(self._locals):
+            raise InvalidArgumentError(f"group {number} is recurrent: it has a state slot, not a block table")
+        return list(self._locals[number - 1].tables.get(id(s), ()))
 
     def group_pool(self, group: int) -> BlockPool:
-        """The block pool of local group ``group`` (1, 2, ...); group 0's is :attr:`pool`."""
-        return self._pool if self._group(group) == 0 else self._locals[group - 1].pool
+        """The block pool of group ``group``: group 0's is :attr:`pool`; a recurrent group's holds its checkpoints."""
+        number = self._group(group)
+        if number == 0:
+            return self._pool
+        if number <= len(self._locals):
+            return self._locals[number - 1].pool
+        return self._recurrent(number).pool
+
+    def state_slot(self, seq_id: Hashable, group: int) -> int:
+        """The running state id of admitted ``seq_id`` in recurrent group ``group`` (what its forward pass updates)."""
+        s = self._get(seq_id)
+        recurrent = self._recurrent(self._group(group))
+        slot = recurrent.slots.get(id(s))
+        if slot is None:
+            raise InvalidArgumentError(f"sequence {seq_id!r} is not admitted: it has no state slot")
+        return slot
+
+    def num_state_slots(self, group: int) -> int:
+        """Running slots of recurrent group ``group``; its state ids ``num_state_slots(g) + c`` are checkpoints."""
+        return self._recurrent(self._group(group)).num_slots
+
+    def next_checkpoint(self, seq_id: Hashable) -> int | None:
+        """The first token count after ``seq_id``'s committed line at which every recurrent group checkpoints.
+
+        A scheduler that ends a prefill chunk there gets the prompt's state cached (a commit elsewhere
+        takes no checkpoint). None without recurrent groups.
+        """
+        s = self._get(seq_id)
+        if not self._recurrents:
+            return None
+        step = math.lcm(*(r.step for r in self._recurrents))
+        return (s.num_committed // step + 1) * step
+
+    def take_state_plan(self) -> list[StateCopy]:
+        """The state operations planned since the last call, to run in order before the next forward pass.
+
+        Call it once per step, after the scheduling calls and before the forward pass, and run what it
+        returns first: calling it again is what tells the manager the previous plan has run, so the
+        checkpoints that plan saved become findable then (never earlier). See :mod:`kvblocks.hybrid.recurrent`.
+        """
+        plan: list[StateCopy] = []
+        for recurrent in self._recurrents:
+            plan += recurrent.take_plan()
+        return plan
+
+    @property
+    def checkpoints_skipped(self) -> int:
+        """Checkpoints not taken because every checkpoint of the group was being written or restored from."""
+        return sum(r.skipped for r in self._recurrents)
+
+    def _recurrent(self, number: int) -> _Recurrent:
+        if number <= len(self._locals):
+            raise InvalidArgumentError(f"group {number} is {self._kinds[number]!r}, not recurrent")
+        return self._recurrents[number - 1 - len(self._locals)]
 
     def _group(self, group: object) -> int:
         if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.num_groups:
@@ -185,11 +272,14 @@ class HybridKVCacheManager(KVCacheManager):
             return 0
         size = self._block_size
         locals_ = self._locals
-        if len(locals_) == 1:  # one local group: its own answer below the run is the fixed point
+        if len(locals_) == 1 and not self._recurrents:  # one local group: its answer below the run is the fixed point
             local = locals_[0]
             return longest_group_hit(local.rule, run * size, size, _indexed(local.index, hashes)) // size
         rules = [local.rule for local in locals_]
         answers = [_indexed(local.index, hashes) for local in locals_]
+        for recurrent in self._recurrents:
+            rules.append(recurrent.rule)
+            answers.append(_checkpointed(recurrent, hashes))
         return longest_common_hit(rules, run * size, answers) // size
 
     def _match_length(self, s: _Sequence) -> int:
@@ -208,12 +298,14 @@ class HybridKVCacheManager(KVCacheManager):
         size = self._block_size
         if s.table is not None:
             need = (s.num_covered + num_new_tokens + num_lookahead_tokens + size - 1) // size - len(s.table)
-            return max(short, *(need - local.pool.num_free for local in self._locals))
+            return max(short, *(need - local.pool.num_free for local in self._locals), 0)
         hit = self._hit_blocks(s)
         need = (hit * size + num_new_tokens + num_lookahead_tokens + size - 1) // size - hit
         for local in self._locals:
             kept = self._local_hit(local, s, hit) or []
             short = max(short, need - (local.pool.num_free - local.pool.count_idle(kept)))
+        if any(not r.free_slots for r in self._recurrents):
+            short = max(short, 1)  # no running slot: counted as one block short, so preempting one sequence helps
         return max(0, short)
 
     def _local_hit(self, local: _Local, s: _Sequence, hit: int) -> list[int] | None:
@@ -225,17 +317,24 @@ class HybridKVCacheManager(KVCacheManager):
         return None if None in kept else kept  # type: ignore[return-value]
 
     def _admit_beside(self, seq_id: Hashable, s: _Sequence, hits: int, need: int) -> bool:
-        """Each local group keeps the window blocks the hit needs and takes ``need`` new ones, or none does."""
+        """Each local group keeps the window blocks the hit needs and takes ``need`` new ones, and each
+        recurrent group gives a slot holding the state at the hit -- or no group changes."""
         found = [self._local_hit(local, s, hits) for local in self._locals]
-        if None in found:  # only when the caller named a shorter hit than every group serves together
+        hashes = s.content.hashes
+        hit_tokens = hits * self._block_size
+        slots = [recurrent.can_admit(hashes, hit_tokens) for recurrent in self._recurrents]
+        if None in found or None in slots:  # only when the caller named a shorter hit than every group serves
             raise StaleLookupError(
-                f"sequence {seq_id!r}: a local group no longer holds the window of the "
-                f"{hits * self._block_size}-token hit seen"
+                f"sequence {seq_id!r}: a group no longer holds what the {hit_tokens}-token hit seen needs"
             )
+        if not all(slots):
+            return False
         kept: list[list[int]] = found  # type: ignore[assignment]
         for local, blocks in zip(self._locals, kept, strict=True):
             if need > local.pool.num_free - local.pool.count_idle(blocks):
                 return False
+        for recurrent in self._recurrents:
+            recurrent.admit(id(s), hashes, hit_tokens)
         for local, blocks in zip(self._locals, kept, strict=True):
             local.pool._acquire_valid(blocks)
             first = hits - len(blocks)
@@ -248,7 +347,7 @@ class HybridKVCacheManager(KVCacheManager):
         return True
 
     def _free_for_growth(self) -> int:
-        return min(self._pool.num_free, *(local.pool.num_free for local in self._locals))
+        return min([self._pool.num_free, *(local.pool.num_free for local in self._locals)])
 
     def _grow(self, s: _Sequence, covered: int, lookahead: int) -> bool:
         before = len(s.table or ())
@@ -276,6 +375,9 @@ class HybridKVCacheManager(KVCacheManager):
         else:
             s.num_committed = n  # no block newly full: nothing to cache in any group
         key = id(s)
+        if full > start and self._caching:
+            for recurrent in self._recurrents:
+                recurrent.committed(key, s.content.hashes, n)
         for local in self._locals:
             table = local.tables[key]
             if full > start and self._caching:
@@ -291,7 +393,7 @@ class HybridKVCacheManager(KVCacheManager):
 
     def _watch(self, s: _Sequence, n: int) -> None:
         """Ask the step to call :meth:`_commit` again when a window may move past a block boundary."""
-        s.watch = min(local.next_move(n) for local in self._locals)
+        s.watch = min((local.next_move(n) for local in self._locals), default=_NEVER)
 
     def _release(self, s: _Sequence) -> None:
         if s.table is not None:
@@ -299,13 +401,18 @@ class HybridKVCacheManager(KVCacheManager):
                 table = local.tables.pop(id(s))
                 del local.released[id(s)]
                 local.pool._release_valid(b for b in reversed(table) if b != PLACEHOLDER)
+            for recurrent in self._recurrents:
+                recurrent.release(id(s))
         super()._release(s)
 
     def reset_prefix_cache(self) -> bool:
-        if not super().reset_prefix_cache():
+        """As the base's; also refused while a state plan has not run (a checkpoint it saves would come back)."""
+        if any(r.busy for r in self._recurrents) or not super().reset_prefix_cache():
             return False
         for local in self._locals:
             local.index.clear()
+        for recurrent in self._recurrents:
+            recurrent.index.clear()
         return True
 
     # ------------------------------------------------------------------ checks
@@ -337,6 +444,14 @@ class HybridKVCacheManager(KVCacheManager):
             for block in range(local.pool.num_blocks):
                 if local.pool.ref_count(block) != expected[block]:
                     raise IntegrityError(f"group {number}: block {block} has {local.pool.ref_count(block)} references")
+        admitted = {id(s) for s in self._seqs.values() if s.table is not None}
+        for recurrent in self._recurrents:
+            recurrent.check_integrity(admitted)
+
+
+def _checkpointed(recurrent: _Recurrent, hashes: Sequence[BlockHash]) -> Callable[[int], bool]:
+    """Whether ``recurrent`` has a findable checkpoint at token ``hit``."""
+    return lambda hit: recurrent.checkpoint_at(hashes, hit) is not None
 
 
 def _indexed(index: FlatBlockIndex, hashes: Sequence[BlockHash]) -> Callable[[int], bool]:

@@ -13,6 +13,14 @@ hashes]``, ``["C", tier]``. ``hashes`` is ``"W:HEX"`` when all are bytes of widt
 (the usual case: one hex string), else a list of ints and hex strings; ``parent``
 is null, an int or a hex string.
 
+An event of one group of a hybrid model's cache (:mod:`kvblocks.hybrid`) ends with its
+group tag, one JSON object: ``["R", "device", "16:...", {"group": 1, "kind":
+"sliding_window"}]``. ``group`` is the group's index in its manager (0: full attention,
+1, 2, ...: the other groups), ``kind`` one of :data:`EVENT_GROUP_KINDS`. An untagged
+event (a single-group cache) is written exactly as before the tag existed, so old
+producers and consumers keep working; an old consumer refuses a tagged event as
+malformed rather than mistaking a sliding-window group's removals for the prefix's.
+
 :func:`decode_batch` reads bytes from outside (another process, a shared stream):
 whatever they hold, it returns a batch or raises :class:`kvblocks.errors.EventDecodeError`,
 nothing else.
@@ -38,6 +46,7 @@ from kvblocks.strict_json import MAX_INT, brief, is_text, parse_versioned
 
 __all__ = [
     "EVENT_FORMAT_VERSION",
+    "EVENT_GROUP_KINDS",
     "MAX_BATCH_SEQ",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -46,7 +55,13 @@ __all__ = [
     "KVEvent",
     "decode_batch",
     "encode_batch",
+    "is_group_tag",
 ]
+
+
+EVENT_GROUP_KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "recurrent", "cross_attention")
+"""The group kinds an event's ``group_kind`` may name: :data:`kvblocks.hybrid.layout.GROUP_KINDS`, repeated
+here because this layer is below :mod:`kvblocks.hybrid` (a test keeps the two equal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,27 +69,36 @@ class BlockStored:
     """Blocks became findable in ``tier``; ``block_hashes`` form a chain hanging off ``parent_hash``.
 
     ``token_ids``, when a producer knows them, are the tokens of those blocks (in order).
+    ``group`` and ``group_kind`` name the group of a hybrid model's cache the event is about
+    (both None: a single-group cache). ``parent_hash`` is the chain's previous hash even when
+    that group does not hold it (a sliding-window group keeps only a window of the chain).
     """
 
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None
     tier: str
     token_ids: tuple[int, ...] | None = None
+    group: int | None = None
+    group_kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Blocks are no longer findable in ``tier``."""
+    """Blocks are no longer findable in ``tier`` (of group ``group``, when tagged; see :class:`BlockStored`)."""
 
     block_hashes: tuple[BlockHash, ...]
     tier: str
+    group: int | None = None
+    group_kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    """Every block of ``tier`` was dropped."""
+    """Every block of ``tier`` (of group ``group``, when tagged; see :class:`BlockStored`) was dropped."""
 
     tier: str
+    group: int | None = None
+    group_kind: str | None = None
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -125,6 +149,20 @@ def _is_timestamp(value: object) -> TypeGuard[int | float]:
     return math.isfinite(value)
 
 
+def is_group_tag(group: object, kind: object) -> bool:
+    """Whether ``(group, kind)`` is an event's group tag: both None, or an int in ``0..MAX_INT`` and a known kind."""
+    if group is None and kind is None:
+        return True
+    return type(group) is int and 0 <= group <= MAX_INT and type(kind) is str and kind in EVENT_GROUP_KINDS
+
+
+def _group_from_json(raw: dict[str, Any]) -> tuple[int, str]:
+    group, kind = raw.get("group"), raw.get("kind")
+    if len(raw) != 2 or group is None or not is_group_tag(group, kind):
+        raise EventDecodeError(f"malformed group tag {brief(raw)} in event batch")
+    return group, kind  # type: ignore[return-value]  # checked by is_group_tag
+
+
 def _hash_from_json(raw: object) -> BlockHash:
     try:
         return hash_from_json(raw)
@@ -144,6 +182,18 @@ def _event_to_json(event: KVEvent) -> list[Any]:
         raise InvalidArgumentError(f"not a KV event: {event!r}")
     if type(event.tier) is not str:
         raise InvalidArgumentError(f"an event's tier must be a str, got {event.tier!r}")
+    if not is_group_tag(event.group, event.group_kind):
+        raise InvalidArgumentError(
+            f"an event's group must be an int in 0..{MAX_INT} and its group_kind one of "
+            f"{', '.join(EVENT_GROUP_KINDS)}, both or neither; got {brief(event.group)}, {brief(event.group_kind)}"
+        )
+    out = _untagged_to_json(event)
+    if event.group is not None:
+        out.append({"group": event.group, "kind": event.group_kind})
+    return out
+
+
+def _untagged_to_json(event: KVEvent) -> list[Any]:
     if isinstance(event, BlockStored):
         parent = None if event.parent_hash is None else hash_to_json(event.parent_hash)
         out: list[Any] = ["S", event.tier, hashes_to_json(event.block_hashes), parent]
@@ -163,6 +213,11 @@ def _event_to_json(event: KVEvent) -> list[Any]:
 def _event_from_json(raw: object) -> KVEvent:
     if type(raw) is not list or len(raw) < 2 or type(raw[0]) is not str or not is_text(raw[1]):
         raise EventDecodeError(f"malformed event {brief(raw)} in event batch")
+    group: int | None = None
+    kind: str | None = None
+    if len(raw) > 2 and type(raw[-1]) is dict:  # a trailing object is the group tag, and only that
+        group, kind = _group_from_json(raw[-1])
+        raw = raw[:-1]
     tag, tier = raw[0], raw[1]
     if tag == "S" and len(raw) in (4, 5):
         parent = None if raw[3] is None else _hash_from_json(raw[3])
@@ -171,11 +226,11 @@ def _event_from_json(raw: object) -> KVEvent:
             if type(raw[4]) is not list or not all(_is_token(t) for t in raw[4]):
                 raise EventDecodeError(f"malformed token ids {brief(raw[4])} in event batch")
             tokens = tuple(raw[4])
-        return BlockStored(_hashes_from_json(raw[2]), parent, tier, tokens)
+        return BlockStored(_hashes_from_json(raw[2]), parent, tier, tokens, group, kind)
     if tag == "R" and len(raw) == 3:
-        return BlockRemoved(_hashes_from_json(raw[2]), tier)
+        return BlockRemoved(_hashes_from_json(raw[2]), tier, group, kind)
     if tag == "C" and len(raw) == 2:
-        return AllBlocksCleared(tier)
+        return AllBlocksCleared(tier, group, kind)
     raise EventDecodeError(f"unknown or malformed event {brief(raw)} in event batch")
 
 
@@ -219,7 +274,8 @@ def decode_batch(data: bytes) -> EventBatch:
     Refused: anything but one strict JSON object in UTF-8 (see :func:`kvblocks.strict_json.parse`:
     no repeated keys, no NaN, bounded nesting), another format version, a field of a wrong type
     or out of its range (a seq beyond ``MAX_BATCH_SEQ``, a token id beyond ``2**32 - 1``, a
-    non-finite timestamp), and a malformed event or hash.
+    non-finite timestamp), a malformed event or hash, and a group tag that is not exactly
+    ``{"group": int in 0..MAX_INT, "kind": one of EVENT_GROUP_KINDS}``.
     """
     raw = parse_versioned(data, "event batch", EVENT_FORMAT_VERSION, EventDecodeError)
     producer, seq, ts = raw.get("producer"), raw.get("seq"), raw.get("ts")

@@ -2,7 +2,12 @@
 
 A :class:`kvblocks.radix.PrefixTree` emits one event per batch it changes (one
 ``BlockStored`` per insert call, one ``BlockRemoved`` per eviction call), carrying
-block hashes -- the same keys a router or indexer uses. An :class:`EventSink`
+block hashes -- the same keys a router or indexer uses. In a hybrid model's cache each
+group emits its own events, tagged with the group's index and kind (``group``,
+``group_kind``): the full-attention group's tree and each local group's
+:class:`kvblocks.hybrid.block_index.FlatBlockIndex`. The groups share one key space, so
+a consumer that tracks the prefix follows the ``"full"`` group (and untagged events)
+only; a window group's removal of a hash says nothing about the full group's copy. An :class:`EventSink`
 numbers them 0, 1, 2, ... and delivers them in process: to subscribers as they
 happen and to a bounded buffer for polling. A consumer that sees a gap in the
 numbers knows it missed events and must resynchronise.
@@ -15,8 +20,9 @@ Across processes and machines, events travel in :class:`EventBatch` es::
 
 An :class:`EventPublisher` drains a sink and sends its records as batches numbered
 per producer; :meth:`EventPublisher.publish_snapshot` sends the producer's whole
-tree (:meth:`kvblocks.radix.PrefixTree.snapshot_events`) as one batch that replaces
-what consumers knew of it. An :class:`EventConsumer` applies batches in order and
+tree (:meth:`kvblocks.radix.PrefixTree.snapshot_events`; for a hybrid cache, followed by
+each local group's :meth:`~kvblocks.hybrid.block_index.FlatBlockIndex.snapshot_events`,
+all tagged) as one batch that replaces what consumers knew of it. An :class:`EventConsumer` applies batches in order and
 reports a missing number as a gap; it then ignores that producer's batches until a
 snapshot arrives. Any loss -- a full sink buffer, a dropped message, a transport
 that was down -- therefore shows as a gap, never as a silently wrong view.
@@ -39,6 +45,7 @@ from typing import TYPE_CHECKING
 from kvblocks.errors import ConfigError
 from kvblocks.event_codec import (
     EVENT_FORMAT_VERSION,
+    EVENT_GROUP_KINDS,
     MAX_BATCH_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -54,6 +61,7 @@ if TYPE_CHECKING:  # the transport layer is below this one (and never imports it
 
 __all__ = [
     "EVENT_FORMAT_VERSION",
+    "EVENT_GROUP_KINDS",
     "MAX_BATCH_SEQ",
     "AllBlocksCleared",
     "BlockRemoved",

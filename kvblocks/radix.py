@@ -36,6 +36,7 @@ from kvblocks.errors import (
     InvalidBlockIdError,
     SequenceStateError,
 )
+from kvblocks.event_codec import EVENT_GROUP_KINDS, is_group_tag
 from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
@@ -77,14 +78,33 @@ class PrefixTree:
         "_num_children",
         "_parent_of",
         "_root",
+        "group",
+        "group_kind",
         "num_evicted",
         "pool",
         "tier",
     )
 
-    def __init__(self, pool: BlockPool, *, tier: str = "device", events: EventSink | None = None) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        tier: str = "device",
+        events: EventSink | None = None,
+        group: int | None = None,
+        group_kind: str | None = None,
+    ) -> None:
+        """``group`` / ``group_kind`` tag every event this tree emits: the full-attention group of a hybrid
+        model's manager is group 0 of kind ``"full"``; both None (a single-group cache) leave events untagged."""
+        if not is_group_tag(group, group_kind):
+            raise InvalidArgumentError(
+                f"group must be an int >= 0 and group_kind one of {', '.join(EVENT_GROUP_KINDS)}, both or neither; "
+                f"got {group!r}, {group_kind!r}"
+            )
         self.pool = pool
         self.tier = tier
+        self.group = group
+        self.group_kind = group_kind
         self._block_of: dict[BlockHash, int] = {}
         self._hash_of: list[BlockHash | None] = pool._key  # type: ignore[assignment]  # the pool's content keys
         # The root is a virtual node with id num_blocks: a chain's first block is its child, so child
@@ -97,6 +117,11 @@ class PrefixTree:
         """Blocks evicted since construction (a counter, never reset)."""
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def events(self) -> EventSink | None:
+        """The sink this tree emits to (None: it emits nothing)."""
+        return self._events
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -179,7 +204,7 @@ class PrefixTree:
                 b = kids[0]
                 chain.append(hash_of[b])  # type: ignore[arg-type]
                 kids = children.get(b)
-            out.append(BlockStored(tuple(chain), parent_hash, self.tier))
+            out.append(BlockStored(tuple(chain), parent_hash, self.tier, None, self.group, self.group_kind))
             if kids:
                 stack.extend(reversed(kids))
         return out
@@ -249,7 +274,9 @@ class PrefixTree:
             raise self._insert_problem(hashes, blocks, first_new, max(i, first_new)) from None
         if self._events is not None:
             parent_hash = hashes[first_new - 1] if first_new > 0 else None
-            self._events.emit(BlockStored(tuple(hashes[first_new:stop]), parent_hash, self.tier))
+            self._events.emit(
+                BlockStored(tuple(hashes[first_new:stop]), parent_hash, self.tier, None, self.group, self.group_kind)
+            )
         return existing
 
     def _unlink(self, hashes: Sequence[BlockHash], blocks: Sequence[int], first: int, stop: int) -> None:
@@ -318,7 +345,8 @@ class PrefixTree:
                     break
         self.num_evicted += len(evicted)
         if evicted and self._events is not None:
-            self._events.emit(BlockRemoved(tuple(removed[-len(evicted) :]), self.tier))  # type: ignore[index]
+            removed_now = tuple(removed[-len(evicted) :])  # type: ignore[index]
+            self._events.emit(BlockRemoved(removed_now, self.tier, self.group, self.group_kind))
         return evicted
 
     def _oldest_idle_leaf(self) -> int:
@@ -342,7 +370,7 @@ class PrefixTree:
         self._block_of.clear()
         self.num_evicted += len(dropped)
         if self._events is not None:
-            self._events.emit(AllBlocksCleared(self.tier))
+            self._events.emit(AllBlocksCleared(self.tier, self.group, self.group_kind))
         return dropped
 
     # ------------------------------------------------------------------ checks

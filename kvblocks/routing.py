@@ -2,7 +2,8 @@
 
 Per worker the router keeps an index of cached block hashes -- fed by that worker's KV
 events (precise mode) or by the prompts it routed there, expiring after a TTL
-(approximate mode) -- and a load: running sequences and in-flight prefill tokens.
+(approximate mode) -- and a load: running sequences and in-flight prefill tokens. Of a hybrid
+model's events only those of its full-attention group feed the index (see :meth:`Router.apply_events`).
 ``route`` always scores the prompt's blocks (a router that ignored the prompt is one of
 the bugs this module exists to rule out) and returns a :class:`Lease` that releases every
 counter it took exactly once.
@@ -342,9 +343,20 @@ class Router:
     # ------------------------------------------------------------------ index
 
     def apply_events(self, worker: Hashable, events: Iterable[KVEvent]) -> None:
-        """Precise mode: update ``worker``'s index from its KV events (``EventConsumer``'s ``on_events``)."""
+        """Precise mode: update ``worker``'s index from its KV events (``EventConsumer``'s ``on_events``).
+
+        The index is the worker's full-attention prefix: only untagged events (a single-group cache) and
+        events of a ``"full"`` group count. A hybrid model's other groups hold other copies of the same
+        hashes (a sliding window keeps and drops them on its own schedule), so their events are skipped
+        -- a window group's ``BlockRemoved`` must not take a hash out while the full group still holds it.
+        The overlap is then an upper bound of what a hybrid worker serves (its windows may be gone).
+        """
         w = self._worker(worker)
         for event in events:
+            if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
+                raise InvalidArgumentError(f"not a KV event: {type(event).__name__}")
+            if event.group_kind is not None and event.group_kind != "full":
+                continue  # another group's copy of the chain: not the prefix this index scores
             if isinstance(event, BlockStored):
                 self._add(w, event.tier, event.block_hashes)
             elif isinstance(event, BlockRemoved):
@@ -352,10 +364,8 @@ class Router:
                 if event.tier == "device" and self.config.eviction_weight:
                     w.evicted_recently += len(event.block_hashes)
                     self._push(w)
-            elif isinstance(event, AllBlocksCleared):
-                self._clear(w, (event.tier,))
             else:
-                raise InvalidArgumentError(f"not a KV event: {type(event).__name__}")
+                self._clear(w, (event.tier,))
         w.last_event = self._clock()
         w.routed_since_event = None
         w.silent = False

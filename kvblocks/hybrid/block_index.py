@@ -22,11 +22,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import islice
 
-from kvblocks.errors import IntegrityError, InvalidArgumentError, InvalidBlockHashError, InvalidBlockIdError
+from kvblocks.errors import (
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidBlockHashError,
+    InvalidBlockIdError,
+    SequenceStateError,
+)
+from kvblocks.event_codec import EVENT_GROUP_KINDS, BlockRemoved, BlockStored, is_group_tag
+from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
 
 __all__ = ["FlatBlockIndex"]
+
+
+def _is_hash(value: object) -> bool:
+    if isinstance(value, bytes):
+        return bool(value)
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class FlatBlockIndex:
@@ -43,14 +57,39 @@ class FlatBlockIndex:
     (0, [0], None)
     """
 
-    __slots__ = ("_block_of", "_hash_of", "num_evicted", "pool")
+    __slots__ = ("_block_of", "_events", "_hash_of", "_parent_of", "group", "group_kind", "num_evicted", "pool", "tier")
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        events: EventSink | None = None,
+        group: int | None = None,
+        group_kind: str | None = None,
+        tier: str = "device",
+    ) -> None:
+        """``events`` receives this index's events, tagged ``group`` / ``group_kind`` (the group's index in
+        its manager and its kind; both None: untagged) and ``tier``."""
         if not isinstance(pool, BlockPool):
             raise InvalidArgumentError(f"pool must be a BlockPool, got {type(pool).__name__}")
+        if events is not None and not isinstance(events, EventSink):
+            raise InvalidArgumentError(f"events must be an EventSink or None, got {type(events).__name__}")
+        if not is_group_tag(group, group_kind):
+            raise InvalidArgumentError(
+                f"group must be an int >= 0 and group_kind one of {', '.join(EVENT_GROUP_KINDS)}, both or neither; "
+                f"got {group!r}, {group_kind!r}"
+            )
+        if type(tier) is not str:
+            raise InvalidArgumentError(f"tier must be a str, got {tier!r}")
         self.pool = pool
+        self.tier = tier
+        self.group = group
+        self.group_kind = group_kind
+        self._events = events
         self._block_of: dict[BlockHash, int] = {}
         self._hash_of: list[BlockHash | None] = [None] * pool.num_blocks
+        # The chain parent of each indexed block, for snapshot_events: kept only with a sink (no cost without).
+        self._parent_of: list[BlockHash | None] | None = None if events is None else [None] * pool.num_blocks
         self.num_evicted = 0
 
     def __len__(self) -> int:
@@ -70,18 +109,25 @@ class FlatBlockIndex:
         self.pool._check_id(block)
         return self._hash_of[block]
 
-    def insert(self, block_hash: BlockHash, block: int) -> int:
+    @property
+    def events(self) -> EventSink | None:
+        """The sink this index emits to (None: it emits nothing)."""
+        return self._events
+
+    def insert(self, block_hash: BlockHash, block: int, *, parent_hash: BlockHash | None = None) -> int:
         """Index held ``block`` under ``block_hash``; return the block now cached under it.
 
         When another block already holds that hash (two sequences computed the same block), that one
-        stays the cached copy and is returned; ``block`` stays private to its sequence.
+        stays the cached copy and is returned; ``block`` stays private to its sequence. ``parent_hash``
+        is the chain's previous hash (None: the chain's first block), carried by the ``BlockStored``
+        this emits when the hash is new.
         """
-        if isinstance(block_hash, bytes):
-            valid = bool(block_hash)
-        else:
-            valid = isinstance(block_hash, int) and not isinstance(block_hash, bool) and block_hash >= 0
-        if not valid:
-            raise InvalidBlockHashError(f"a block hash must be non-empty bytes or an int >= 0, got {block_hash!r}")
+        valid = _is_hash(block_hash)
+        if not valid or not (parent_hash is None or _is_hash(parent_hash)) or parent_hash == block_hash:
+            raise InvalidBlockHashError(
+                f"a block hash (and a parent hash, unless None) must be non-empty bytes or an int >= 0, and they "
+                f"must differ; got {block_hash!r}, parent {parent_hash!r}"
+            )
         pool = self.pool
         pool._check_id(block)
         existing = self._block_of.get(block_hash)
@@ -92,14 +138,27 @@ class FlatBlockIndex:
         pool.mark_cached(block, block_hash)  # raises unless the block is held
         self._block_of[block_hash] = block
         self._hash_of[block] = block_hash
+        if self._parent_of is not None:
+            self._parent_of[block] = parent_hash
+            self._stored((block_hash,), parent_hash)
         return block
+
+    def _stored(self, hashes: tuple[BlockHash, ...], parent_hash: BlockHash | None) -> None:
+        self._events.emit(  # type: ignore[union-attr]  # called only with a sink
+            BlockStored(hashes, parent_hash, self.tier, None, self.group, self.group_kind)
+        )
 
     def insert_run(self, hashes: Sequence[BlockHash], blocks: Sequence[int], start: int, stop: int) -> None:
         """Index ``blocks[p]`` under ``hashes[p]`` for ``start <= p < stop``: a manager's commit of held blocks.
 
         The manager's own hashes and held blocks are valid by construction, so this skips
         :meth:`insert`'s argument checks; a hash already cached keeps its block (ours stays private).
+        With a sink, each run of consecutive newly indexed positions is one ``BlockStored`` whose
+        parent is the hash before the run (see the module docstring).
         """
+        if self._parent_of is not None:
+            self._insert_run_emitting(hashes, blocks, start, stop)
+            return
         block_of = self._block_of
         hash_of = self._hash_of
         key = self.pool._key
@@ -111,12 +170,73 @@ class FlatBlockIndex:
                 hash_of[b] = h
                 key[b] = h
 
+    def _insert_run_emitting(self, hashes: Sequence[BlockHash], blocks: Sequence[int], start: int, stop: int) -> None:
+        block_of = self._block_of
+        hash_of = self._hash_of
+        parent_of = self._parent_of
+        key = self.pool._key
+        run: list[BlockHash] = []
+        run_parent: BlockHash | None = None
+        for position in range(start, stop):
+            h = hashes[position]
+            if h in block_of:
+                if run:
+                    self._stored(tuple(run), run_parent)
+                    run = []
+                continue
+            parent = hashes[position - 1] if position else None
+            if not run:
+                run_parent = parent
+            run.append(h)
+            b = blocks[position]
+            block_of[h] = b
+            hash_of[b] = h
+            key[b] = h
+            parent_of[b] = parent  # type: ignore[index]  # kept with a sink
+        if run:
+            self._stored(tuple(run), run_parent)
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """The whole index as ``BlockStored`` events, parents (when indexed) before their children. Pure.
+
+        Consecutive hashes of one chain share an event while each has exactly one indexed child, as in
+        :meth:`kvblocks.radix.PrefixTree.snapshot_events`; a chain whose parent is not indexed here starts
+        an event of its own with that parent hash. Needs a sink: the parents are kept only with one.
+        """
+        parent_of = self._parent_of
+        if parent_of is None:
+            raise SequenceStateError("an index without an event sink keeps no chain parents: no snapshot")
+        children: dict[BlockHash | None, list[BlockHash]] = {}
+        for h, b in self._block_of.items():
+            children.setdefault(parent_of[b], []).append(h)
+        block_of = self._block_of
+        roots = [h for h, b in block_of.items() if parent_of[b] is None or parent_of[b] not in block_of]
+        out: list[BlockStored] = []
+        left = dict(block_of)
+        stack = roots[::-1]
+        while stack or left:
+            # what no root reaches (parents claimed in a cycle through insert's parent_hash) goes alone
+            h = stack.pop() if stack else next(iter(left))
+            chain = [h]
+            del left[h]
+            kids = children.get(h)
+            while kids is not None and len(kids) == 1 and kids[0] in left:
+                chain.append(kids[0])
+                del left[kids[0]]
+                kids = children.get(kids[0])
+            parent = parent_of[block_of[h]]
+            out.append(BlockStored(tuple(chain), parent, self.tier, None, self.group, self.group_kind))
+            if kids:
+                stack.extend(k for k in reversed(kids) if k in left)
+        return out
+
     def evict(self, count: int, removed_hashes: list[BlockHash] | None = None) -> list[int]:
         """Evict up to ``count`` idle blocks, least recently released first; they become fresh. Returns them."""
         if type(count) is not int or count < 0:
             raise InvalidArgumentError(f"cannot evict {count!r} blocks")
         pool = self.pool
         evicted = list(islice(pool.idle_lru(), count))
+        removed = removed_hashes if removed_hashes is not None or self._events is None else []
         for b in evicted:
             h = self._hash_of[b]
             if h is None:  # pragma: no cover - an idle block is always indexed (check_integrity)
@@ -124,9 +244,12 @@ class FlatBlockIndex:
             pool.evict(b)
             del self._block_of[h]
             self._hash_of[b] = None
-            if removed_hashes is not None:
-                removed_hashes.append(h)
+            if removed is not None:
+                removed.append(h)
         self.num_evicted += len(evicted)
+        if evicted and self._events is not None:
+            removed_now = tuple(removed[-len(evicted) :])  # type: ignore[index]  # a list with a sink
+            self._events.emit(BlockRemoved(removed_now, self.tier, self.group, self.group_kind))
         return evicted
 
     def clear(self) -> list[int]:

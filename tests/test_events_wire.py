@@ -147,8 +147,8 @@ class Workload:
             self.step(rng.randrange(4), rng.randrange(100), rng.randrange(8))
 
 
-def stored(*hashes, parent=None, tier: str = "device", tokens=None) -> BlockStored:
-    return BlockStored(tuple(hashes), parent, tier, tokens)
+def stored(*hashes, parent=None, tier: str = "device", tokens=None, group=None, kind=None) -> BlockStored:
+    return BlockStored(tuple(hashes), parent, tier, tokens, group, kind)
 
 
 H16 = [bytes([k]) * 16 for k in range(1, 6)]
@@ -168,6 +168,12 @@ H16 = [bytes([k]) * 16 for k in range(1, 6)]
         (stored(b"ab", 5, parent=3, tier="dram"), BlockRemoved((), "device")),
         (stored(b"\x00" * 16, parent=None, tier='t\u00e9r "x"'),),
         (),
+        # tagged: the groups of a hybrid model's cache
+        (stored(*H16[:2], group=0, kind="full"), stored(H16[2], parent=H16[1], group=1, kind="sliding_window")),
+        (stored(H16[3], parent=H16[2], tokens=(7, 8), group=2**63 - 1, kind="chunked_local"),),
+        (stored(5, parent=None, tokens=(), group=3, kind="recurrent"), stored(6, group=4, kind="cross_attention")),
+        (BlockRemoved((H16[0],), "device", 1, "sliding_window"), BlockRemoved((), "host", 0, "full")),
+        (AllBlocksCleared("device", 2, "chunked_local"), AllBlocksCleared("device"), BlockRemoved((H16[1],), "device")),
     ],
 )
 @pytest.mark.parametrize("snapshot", [False, True])
@@ -196,6 +202,58 @@ def test_byte_hashes_travel_as_one_hex_string() -> None:
     assert data.count(b'"16:') == 1  # one packed string for the chain, not 64 strings
     assert len(data) < 2 * 16 * 65 + 120  # hex of the hashes and the parent plus a small header
     assert b'"version":1' in data and EVENT_FORMAT_VERSION == 1
+
+
+def test_untagged_events_are_the_same_bytes_as_before_group_tags() -> None:
+    """A single-group cache's events: exactly the bytes an old consumer reads (written out by hand here)."""
+    batch = EventBatch(
+        "w",
+        2,
+        0.5,
+        (
+            stored(b"\x01\x02", parent=None),
+            stored(b"\x03\x04", parent=b"\x01\x02", tokens=(1, 2)),
+            BlockRemoved((7,), "host"),
+            AllBlocksCleared("device"),
+        ),
+    )
+    assert encode_batch(batch) == (
+        b'{"version":1,"producer":"w","seq":2,"ts":0.5,"snapshot":false,"events":['
+        b'["S","device","2:0102",null],["S","device","2:0304","0102",[1,2]],["R","host",[7]],["C","device"]]}'
+    )
+
+
+def test_a_group_tag_travels_as_one_trailing_object() -> None:
+    batch = EventBatch(
+        "w",
+        0,
+        1.0,
+        (
+            stored(b"\x01\x02", parent=b"\x09", tokens=(3,), group=1, kind="sliding_window"),
+            BlockRemoved((b"\x01\x02",), "device", 1, "sliding_window"),
+            AllBlocksCleared("device", 0, "full"),
+        ),
+    )
+    tag = b'{"group":1,"kind":"sliding_window"}'
+    assert encode_batch(batch) == (
+        b'{"version":1,"producer":"w","seq":0,"ts":1.0,"snapshot":false,"events":['
+        b'["S","device","2:0102","09",[3],' + tag + b'],["R","device","2:0102",' + tag + b"],"
+        b'["C","device",{"group":0,"kind":"full"}]]}'
+    )
+    assert decode_batch(encode_batch(batch)) == batch
+
+
+def test_the_kinds_an_event_may_name_are_the_hybrid_layouts() -> None:
+    from kvblocks.events import EVENT_GROUP_KINDS
+    from kvblocks.hybrid.layout import GROUP_KINDS
+
+    assert EVENT_GROUP_KINDS == GROUP_KINDS
+
+
+def test_a_tag_with_none_leaves_the_event_equal_to_an_untagged_one() -> None:
+    assert BlockRemoved((1,), "device") == BlockRemoved((1,), "device", None, None)
+    assert BlockRemoved((1,), "device", 0, "full") != BlockRemoved((1,), "device")
+    assert AllBlocksCleared("device", group=1, group_kind="sliding_window").group == 1
 
 
 def _payload(**changes) -> bytes:
@@ -250,6 +308,29 @@ def _payload(**changes) -> bytes:
         _payload(events=[["C"]]),
         _payload(events=[[]]),
         _payload(events=["C"]),
+        # group tags: an int in 0..2**63-1 and a known kind, both, nothing else, last
+        _payload(events=[["C", "device", {"group": -1, "kind": "full"}]]),
+        _payload(events=[["C", "device", {"group": 2**63, "kind": "full"}]]),
+        _payload(events=[["C", "device", {"group": True, "kind": "full"}]]),
+        _payload(events=[["C", "device", {"group": 1.0, "kind": "full"}]]),
+        _payload(events=[["C", "device", {"group": "1", "kind": "full"}]]),
+        _payload(events=[["C", "device", {"group": None, "kind": "full"}]]),
+        _payload(events=[["C", "device", {"group": None, "kind": None}]]),
+        _payload(events=[["C", "device", {"group": 1, "kind": "window"}]]),
+        _payload(events=[["C", "device", {"group": 1, "kind": "Full"}]]),
+        _payload(events=[["C", "device", {"group": 1, "kind": 0}]]),
+        _payload(events=[["C", "device", {"group": 1, "kind": None}]]),
+        _payload(events=[["C", "device", {"group": 1}]]),
+        _payload(events=[["C", "device", {"kind": "full"}]]),
+        _payload(events=[["C", "device", {}]]),
+        _payload(events=[["C", "device", {"group": 1, "kind": "full", "x": 0}]]),
+        _payload(events=[["C", "device", {"group": 1, "kind": "full"}, {"group": 1, "kind": "full"}]]),
+        _payload(events=[["C", "device", [1, "full"]]]),
+        _payload(events=[["R", "device", {"group": 1, "kind": "full"}]]),  # the tag where the hashes go
+        _payload(events=[["R", "device", "2:0102", {"group": 1, "kind": "full"}, None]]),
+        _payload(events=[["S", "device", "2:0102", {"group": 1, "kind": "full"}]]),  # the tag where the parent goes
+        _payload(events=[["S", "device", "2:0102", None, {"group": 1, "kind": "full"}, [1]]]),  # tag before tokens
+        _payload(events=[["S", "device", "2:0102", None, {"group": 1, "kind": "full"}, None]]),
     ],
 )
 def test_malformed_or_other_version_bytes_raise_event_decode_error(data) -> None:
@@ -340,6 +421,12 @@ def test_nan_timestamp_is_refused_both_ways() -> None:
         EventBatch("w", 0, 0.0, (stored(1, parent="p"),)),
         EventBatch("w", 0, 0.0, (stored(1, tokens=(1, -2)),)),
         EventBatch("w", 0, 0.0, ("not an event",)),  # type: ignore[arg-type]
+        EventBatch("w", 0, 0.0, (stored(1, group=1),)),  # a group without its kind
+        EventBatch("w", 0, 0.0, (BlockRemoved((1,), "device", None, "full"),)),  # a kind without its group
+        EventBatch("w", 0, 0.0, (AllBlocksCleared("device", -1, "full"),)),
+        EventBatch("w", 0, 0.0, (AllBlocksCleared("device", True, "full"),)),  # type: ignore[arg-type]
+        EventBatch("w", 0, 0.0, (AllBlocksCleared("device", 2**63, "full"),)),
+        EventBatch("w", 0, 0.0, (AllBlocksCleared("device", 1, "mamba"),)),
     ],
 )
 def test_batches_without_an_encoding_are_refused_with_a_value_error(batch) -> None:

@@ -36,6 +36,7 @@ from kvblocks import (
 )
 from kvblocks.errors import EventDecodeError
 from kvblocks.event_transport import InProcessTransport, pump
+from kvblocks.events import EVENT_GROUP_KINDS
 from kvblocks.tiers import EntryFormat, MemoryStorage, StorageTier, TierConfig
 from kvblocks.tiers.entry import HEADER
 
@@ -203,16 +204,22 @@ HASHES = st.one_of(
 )
 PARENTS = st.one_of(st.none(), st.binary(min_size=16, max_size=16), st.integers(0, 2**64 - 1))
 TIERS = st.sampled_from(["device", "host", "storage"])
+# (group, kind): untagged (a single-group cache) or a group of a hybrid model's cache
+GROUP_TAGS = st.one_of(
+    st.just((None, None)),
+    st.tuples(st.integers(0, 3) | st.integers(0, 2**63 - 1), st.sampled_from(EVENT_GROUP_KINDS)),
+)
 EVENTS = st.one_of(
     st.builds(
-        lambda h, p, t, tok: BlockStored(tuple(h), p, t, tok),
+        lambda h, p, t, tok, g: BlockStored(tuple(h), p, t, tok, *g),
         HASHES,
         PARENTS,
         TIERS,
         st.none() | st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)),
+        GROUP_TAGS,
     ),
-    st.builds(lambda h, t: BlockRemoved(tuple(h), t), HASHES, TIERS),
-    st.builds(AllBlocksCleared, TIERS),
+    st.builds(lambda h, t, g: BlockRemoved(tuple(h), t, *g), HASHES, TIERS, GROUP_TAGS),
+    st.builds(lambda t, g: AllBlocksCleared(t, *g), TIERS, GROUP_TAGS),
 )
 BATCHES = st.builds(
     EventBatch,
@@ -250,6 +257,60 @@ def test_byte_damaged_batches_are_a_batch_or_an_event_decode_error(data: bytes) 
 @given(VALID_BATCH_BYTES.flatmap(json_mutations))
 def test_json_damaged_batches_are_a_batch_or_an_event_decode_error(data: bytes) -> None:
     _check_batch(data)
+
+
+@SMALL
+@given(BATCHES)
+def test_every_valid_batch_tagged_or_not_round_trips(batch: EventBatch) -> None:
+    assert decode_batch(encode_batch(batch)) == batch
+
+
+GROUP_VALUES = st.one_of(
+    st.integers(0, 2**63 - 1), st.sampled_from([0, 1, 2**63 - 1, 2**63, -1, True, False, 1.0, "1"]), JSON_VALUES
+)
+KIND_VALUES = st.one_of(
+    st.sampled_from(EVENT_GROUP_KINDS), st.sampled_from(["Full", "full ", "window", "", 0]), JSON_VALUES
+)
+VALID_TAGS = st.fixed_dictionaries(
+    {"group": st.integers(0, 2**63 - 1) | st.sampled_from([0, 2**63 - 1]), "kind": st.sampled_from(EVENT_GROUP_KINDS)}
+)
+TAGS = st.one_of(
+    VALID_TAGS,
+    st.tuples(VALID_TAGS, st.sampled_from(["group", "kind"]), GROUP_VALUES | KIND_VALUES).map(
+        lambda t: {**t[0], t[1]: t[2]}  # one field replaced: often still valid, often just out of range
+    ),
+    st.tuples(VALID_TAGS, st.sampled_from(["group", "kind"])).map(
+        lambda t: {k: v for k, v in t[0].items() if k != t[1]}
+    ),
+    st.tuples(VALID_TAGS, st.sampled_from(["x", "Group", ""]), JSON_VALUES).map(lambda t: {**t[0], t[1]: t[2]}),
+    st.dictionaries(st.sampled_from(["group", "kind", "Group", "x", ""]), GROUP_VALUES | KIND_VALUES, max_size=3),
+)
+
+
+@FUZZ
+@given(
+    event=st.sampled_from([["S", "device", "2:0102", None], ["S", "device", [5], "09", [1]], ["R", "host", []]])
+    | st.just(["C", "device"]),
+    tag=TAGS,
+)
+def test_a_group_tag_decodes_to_a_valid_group_or_is_an_event_decode_error(event: list[Any], tag: Any) -> None:
+    """Only ``{"group": int in 0..2**63-1, "kind": a known kind}`` is a tag; anything else is refused."""
+    data = json.dumps(
+        {"version": 1, "producer": "w", "seq": 0, "ts": 0.0, "snapshot": False, "events": [event + [tag]]}
+    )
+    valid = (
+        set(tag) == {"group", "kind"}
+        and type(tag["group"]) is int
+        and 0 <= tag["group"] <= 2**63 - 1
+        and tag["kind"] in EVENT_GROUP_KINDS
+    )
+    try:
+        (decoded,) = decode_batch(data.encode()).events
+    except EventDecodeError:
+        assert not valid
+        return
+    assert valid and (decoded.group, decoded.group_kind) == (tag["group"], tag["kind"])
+    assert json.loads(encode_batch(EventBatch("w", 0, 0.0, (decoded,))))["events"] == [event + [tag]]
 
 
 def _consumer_state(c: EventConsumer) -> tuple[Any, ...]:

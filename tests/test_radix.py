@@ -14,9 +14,11 @@ def chain(*names: str) -> list[bytes]:
     return [n.encode() for n in names]
 
 
-def build(num_blocks: int = 8, events: EventSink | None = None) -> tuple[BlockPool, PrefixTree]:
+def build(
+    num_blocks: int = 8, events: EventSink | None = None, group: int | None = None, group_kind: str | None = None
+) -> tuple[BlockPool, PrefixTree]:
     pool = BlockPool(num_blocks)
-    return pool, PrefixTree(pool, events=events)
+    return pool, PrefixTree(pool, events=events, group=group, group_kind=group_kind)
 
 
 def tree_state(pool: BlockPool, tree: PrefixTree) -> tuple:
@@ -172,6 +174,32 @@ def test_events_are_numbered_and_carry_hashes() -> None:
         AllBlocksCleared("device"),
     ]
     assert sink.drain() == []
+
+
+def test_a_tagged_tree_tags_every_event_it_emits_and_its_snapshot() -> None:
+    sink = EventSink()
+    pool, tree = build(6, events=sink, group=0, group_kind="full")
+    assert tree.events is sink and (tree.group, tree.group_kind) == (0, "full")
+    blocks = pool.take_fresh(3)
+    tree.insert(chain("a", "b", "c"), blocks)
+    assert tree.snapshot_events() == [BlockStored((b"a", b"b", b"c"), None, "device", None, 0, "full")]
+    pool.release(blocks[::-1])
+    tree.evict(1)
+    tree.clear()
+    assert [r.event for r in sink.drain()] == [
+        BlockStored((b"a", b"b", b"c"), None, "device", None, 0, "full"),
+        BlockRemoved((b"c",), "device", 0, "full"),
+        AllBlocksCleared("device", 0, "full"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "group, kind",
+    [(0, None), (None, "full"), (-1, "full"), (True, "full"), (1.0, "full"), (1, "window"), (1, 5), (2**63, "full")],
+)
+def test_a_group_tag_is_both_or_neither_a_valid_index_and_a_known_kind(group, kind) -> None:
+    with pytest.raises(InvalidArgumentError):
+        PrefixTree(BlockPool(2), group=group, group_kind=kind)
 
 
 def test_clear_drops_everything_idle_and_refuses_while_in_use() -> None:

@@ -18,7 +18,8 @@ from kvblocks.backends import get_backend
 from kvblocks.backends.cache import KVCache
 from kvblocks.errors import ConfigError, InvalidBlockIdError
 from kvblocks.hybrid import CacheGroup, HybridLayout, RecurrentState, StateTensor
-from kvblocks.hybrid.tensors import HybridCaches, StatePool
+from kvblocks.hybrid.recurrent import StateCopy
+from kvblocks.hybrid.tensors import HybridCaches, StatePool, apply_state_plan
 
 # ---------------------------------------------------------------- tiny preset-like layouts
 
@@ -340,6 +341,139 @@ def test_scatter_of_a_gather_writes_exactly_the_gathered_states(data: st.DataObj
     assert torch.equal(payload, reference_payload(pool.tensors, src))
     pool.scatter(dst, payload)
     assert same(pool, expected)
+
+
+# ---------------------------------------------------------------- a plan's operations, in order
+
+
+def one_by_one(pool: StatePool, ops: list[tuple[int | None, int]]) -> dict[str, torch.Tensor]:
+    """What running ``ops`` one at a time does, by plain torch indexing on a copy of the pool's tensors."""
+    expected = snapshot(pool)
+    for src, dst in ops:
+        for tensor in expected.values():
+            tensor[dst] = 0 if src is None else tensor[src].clone()
+    return expected
+
+
+def test_a_plan_saves_a_slot_then_zeroes_it_for_the_next_sequence() -> None:
+    """The manager's order within one plan: save slot 0 into checkpoint 5, the slot is reused (zeroed),
+    and a hit restores checkpoint 5 into slot 1. Run as one batch, the zero would reach the checkpoint."""
+    pool = random_pool()
+    old = snapshot(pool)
+    pool.apply([StateCopy(2, 0, 5), StateCopy(2, None, 0), StateCopy(2, 5, 1)])
+    for name, tensor in pool.tensors.items():
+        assert torch.equal(tensor[5], old[name][0]) and torch.equal(tensor[1], old[name][0])
+        assert bool((tensor[0] == 0).all())
+        assert torch.equal(tensor[[2, 3, 4, 6]], old[name][[2, 3, 4, 6]])
+
+
+@pytest.mark.parametrize(
+    "ops",
+    [
+        [(0, 1), (1, 2)],  # a chain: 2 gets what 1 holds after the first copy (0's), not 1's old state
+        [(0, 1), (1, 0)],  # not a swap: both end up with 0's state
+        [(0, 3), (1, 3)],  # the later copy into a state wins
+        [(4, 2), (None, 4), (2, 4)],  # a checkpoint moved out, zeroed, moved back
+        [(None, 1), (1, 2), (None, 2), (3, 1)],
+        [(0, 0), (None, 6), (None, 6)],
+    ],
+    ids=["chain", "not-a-swap", "last-write-wins", "out-zero-back", "zero-read-zero", "self-copy"],
+)
+def test_apply_gives_what_one_by_one_gives(ops: list[tuple[int | None, int]]) -> None:
+    pool = random_pool()
+    expected = one_by_one(pool, ops)
+    pool.apply(ops)
+    assert same(pool, expected)
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> tuple[int, list[tuple[int | None, int]]]:
+    num_states = draw(st.integers(1, 8))
+    state = st.integers(0, num_states - 1)
+    ops = draw(st.lists(st.tuples(st.none() | state, state), max_size=12))
+    return num_states, ops
+
+
+@settings(max_examples=800, deadline=None)
+@given(plans())
+def test_apply_equals_running_the_operations_one_at_a_time(case: tuple[int, list[tuple[int | None, int]]]) -> None:
+    num_states, ops = case
+    pool = single_tensor_pool(num_states)
+    expected = one_by_one(pool, ops)
+    pool.apply(ops)
+    assert same(pool, expected)
+
+
+def test_safe_runs_are_batched_into_one_kernel_per_state_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = random_pool()
+    calls: list[tuple[str, list[int]]] = []
+    fill, move = pool._fill, pool._move
+    monkeypatch.setattr(pool, "_fill", lambda index: (calls.append(("zero", index.tolist())), fill(index)))
+    monkeypatch.setattr(pool, "_move", lambda src, dst: (calls.append(("copy", dst.tolist())), move(src, dst)))
+    ops: list[tuple[int | None, int]] = [(None, 1), (None, 2), (0, 4), (0, 5), (3, 0), (4, 6), (None, 3)]
+    expected = one_by_one(pool, ops)
+    pool.apply(ops)
+    assert same(pool, expected)
+    # (4, 6) reads 4, written by (0, 4) of the same run: it starts a new batch
+    assert calls == [("zero", [1, 2]), ("copy", [4, 5, 0]), ("copy", [6]), ("zero", [3])]
+
+
+BAD_PLANS = [
+    ("destination out of range", [(0, 1), (None, 7)], InvalidBlockIdError),
+    ("source out of range", [(0, 1), (9, 2)], InvalidBlockIdError),
+    ("negative", [(None, -1)], InvalidBlockIdError),
+    ("bool id", [(True, 1)], InvalidBlockIdError),
+    ("not a pair", [(0, 1, 2)], ConfigError),
+    ("a list, not a pair", [[0, 1]], ConfigError),
+    ("two groups", [StateCopy(1, 0, 1), StateCopy(2, None, 3)], ConfigError),
+]
+
+
+@pytest.mark.parametrize("ops, error", [c[1:] for c in BAD_PLANS], ids=[c[0] for c in BAD_PLANS])
+def test_a_bad_operation_anywhere_moves_nothing(ops: list[object], error: type[Exception]) -> None:
+    pool = random_pool()
+    before = snapshot(pool)
+    with pytest.raises(error):
+        pool.apply(ops)  # type: ignore[arg-type]
+    assert same(pool, before)
+
+
+def test_apply_state_plan_runs_each_groups_operations_on_its_pool() -> None:
+    pools = {1: random_pool(seed=1), 3: random_pool(seed=3)}
+    plan = [StateCopy(3, 0, 4), StateCopy(1, None, 2), StateCopy(3, None, 0), StateCopy(1, 2, 5), StateCopy(3, 4, 1)]
+    expected = {
+        group: one_by_one(pool, [(op.src, op.dst) for op in plan if op.group == group]) for group, pool in pools.items()
+    }
+    apply_state_plan(plan, pools)
+    assert all(same(pools[group], expected[group]) for group in pools)
+    assert bool((pools[1].tensors["ssm"][5] == 0).all())  # zeroed, then copied into 5: order kept per group
+    apply_state_plan([], pools)
+    assert all(same(pools[group], expected[group]) for group in pools)
+
+
+@pytest.mark.parametrize(
+    "plan, match",
+    [
+        ([StateCopy(1, None, 0), StateCopy(2, None, 0)], "group 2"),
+        ([StateCopy(1, None, 0), StateCopy(3, 0, 7)], "state 7"),
+        ([StateCopy(1, None, 0), (None, 1)], "StateCopy"),
+    ],
+    ids=["group without a pool", "bad id in another group", "not a StateCopy"],
+)
+def test_a_bad_plan_moves_nothing_in_any_group(plan: list[object], match: str) -> None:
+    pools = {1: random_pool(seed=1), 3: random_pool(seed=3)}
+    before = {group: snapshot(pool) for group, pool in pools.items()}
+    with pytest.raises((ConfigError, InvalidBlockIdError), match=match):
+        apply_state_plan(plan, pools)  # type: ignore[arg-type]
+    assert all(same(pools[group], before[group]) for group in pools)
+
+
+def test_two_groups_on_one_pool_are_refused() -> None:
+    pool = random_pool()
+    before = snapshot(pool)
+    with pytest.raises(ConfigError, match="share one state pool"):
+        apply_state_plan([StateCopy(1, 0, 1), StateCopy(2, 1, 0)], {1: pool, 2: pool})
+    assert same(pool, before)
 
 
 # ---------------------------------------------------------------- import weight

@@ -15,6 +15,12 @@ state dimension with contiguous inner dimensions, as the Mamba and linear-attent
 accept (they take the state stride as an argument). One tensor per state tensor, not one byte
 allocation per pool, keeps every tensor aligned to its dtype without padding.
 
+A recurrent group's manager plans state operations (:class:`~kvblocks.hybrid.recurrent.StateCopy`:
+zero a new slot, save a slot into a checkpoint, restore one) that must run in order, since one plan
+may save a slot and then zero it for the next sequence. :meth:`StatePool.apply` runs one group's
+operations, batching consecutive ones into one kernel per state tensor where the batch cannot differ
+from running them one by one; :func:`apply_state_plan` runs a whole plan over a pool per group.
+
 A state's *payload* (what :meth:`StatePool.gather` returns and :meth:`StatePool.scatter` takes) is
 ``bytes_per_state`` bytes: state tensor by state tensor, in the state's order, each layer by layer.
 
@@ -24,8 +30,8 @@ This module imports torch; ``import kvblocks.hybrid`` does not (it loads this on
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeAlias
 
 from kvblocks.backends._torch import torch
 from kvblocks.backends.base import Backend
@@ -33,10 +39,16 @@ from kvblocks.backends.cache import KVCache
 from kvblocks.backends.registry import get_backend
 from kvblocks.errors import ConfigError, InvalidBlockIdError
 from kvblocks.hybrid.layout import CacheGroup, HybridLayout, MemoryPlan
+from kvblocks.hybrid.recurrent import StateCopy
 
-__all__ = ["HybridCaches", "StateIds", "StatePool"]
+__all__ = ["HybridCaches", "StateIds", "StateOp", "StatePool", "apply_state_plan"]
 
 StateIds = Sequence[int] | torch.Tensor
+StateOp: TypeAlias = "StateCopy | tuple[int | None, int]"
+"""One planned state operation: copy ``src`` into ``dst``, or zero ``dst`` when ``src`` is None."""
+
+# A batch of operations one kernel per state tensor runs: (None, dsts) zeroes, (srcs, dsts) copies.
+_Batch = tuple[list[int] | None, list[int]]
 
 # Movement copies whole words: fewer elements for the index kernels (as KVCache rows do).
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
@@ -158,9 +170,7 @@ class StatePool:
 
     def zero(self, states: StateIds) -> None:
         """Zero ``states`` in every layer and tensor: a new slot must not show another dtype's stale bytes."""
-        index = self.ids(states)
-        for rows in self.rows:
-            rows.index_fill_(0, index, 0)
+        self._fill(self.ids(states))
 
     def copy(self, src_states: StateIds, dst_states: StateIds) -> None:
         """Every ``dst_states[i]`` ends up holding what ``src_states[i]`` held before the call.
@@ -173,10 +183,62 @@ class StatePool:
         dst = self.ids(dst_states, what="destination state ids", distinct=True)
         if len(src) != len(dst):
             raise ConfigError(f"{len(src)} source states but {len(dst)} destination states")
+        self._move(src, dst)
+
+    def _fill(self, index: torch.Tensor) -> None:
+        for rows in self.rows:
+            rows.index_fill_(0, index, 0)
+
+    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if not len(src):
             return
         for rows in self.rows:
             rows.index_copy_(0, dst, rows.index_select(0, src))  # index_select reads into a new tensor first
+
+    # ---------------------------------------------------------------- a plan's operations
+
+    def apply(self, ops: Iterable[StateOp]) -> None:
+        """Run ``ops`` -- ``(src, dst)`` pairs or one group's :class:`StateCopy` s -- as if one by one, in order.
+
+        Order matters: a plan may save a slot into a checkpoint and then zero the slot (its sequence
+        left, another came). Consecutive zeros run as one batch; consecutive copies too, as long as
+        no destination repeats and no copy reads a state an earlier copy of the batch wrote (a batch
+        reads everything before writing). Every id is checked first: bad input moves nothing.
+        """
+        self._run(self._batches(ops))
+
+    def _batches(self, ops: Iterable[StateOp]) -> list[_Batch]:
+        """``ops`` checked and cut into batches that give the same result as running them in order."""
+        pairs = _pairs(ops)
+        self.ids([dst for _, dst in pairs], what="destination state ids")
+        self.ids([src for src, _ in pairs if src is not None], what="source state ids")
+        batches: list[_Batch] = []
+        written: set[int] = set()  # destinations of the last batch, when it copies
+        for src, dst in pairs:
+            last = batches[-1] if batches else None
+            if src is None:
+                if last is not None and last[0] is None:
+                    last[1].append(dst)  # zeroing twice is zeroing once
+                else:
+                    batches.append((None, [dst]))
+                continue
+            if last is not None and last[0] is not None and dst not in written and src not in written:
+                last[0].append(src)
+                last[1].append(dst)
+            else:
+                batches.append(([src], [dst]))
+                written = set()
+            written.add(dst)
+        return batches
+
+    def _run(self, batches: list[_Batch]) -> None:
+        device = self.device
+        for src, dst in batches:
+            index = torch.tensor(dst, dtype=torch.long, device=device)
+            if src is None:
+                self._fill(index)
+            else:
+                self._move(torch.tensor(src, dtype=torch.long, device=device), index)
 
     def gather(self, states: StateIds, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A contiguous ``[len(states), bytes_per_state]`` uint8 payload of ``states`` (``out`` reused if given)."""
@@ -195,6 +257,52 @@ class StatePool:
         self._check_payload(data, len(index))
         for r, rows in enumerate(self.rows):
             rows.index_copy_(0, index, self._columns(data, r))
+
+
+def _pairs(ops: Iterable[StateOp]) -> list[tuple[int | None, int]]:
+    """``ops`` as ``(src, dst)`` pairs; StateCopy s must all be of one group (a pool is one group's)."""
+    if isinstance(ops, (str, bytes)) or not isinstance(ops, Iterable):
+        raise ConfigError(f"state operations must be an iterable, got {type(ops).__name__}")
+    pairs: list[tuple[int | None, int]] = []
+    groups: set[int] = set()
+    for op in ops:
+        if isinstance(op, StateCopy):
+            groups.add(op.group)
+            pairs.append((op.src, op.dst))
+        elif isinstance(op, tuple) and len(op) == 2:
+            pairs.append(op)
+        else:
+            raise ConfigError(f"a state operation is a StateCopy or a (src | None, dst) pair, got {op!r}")
+    if len(groups) > 1:
+        raise ConfigError(f"one pool holds one group's states; the operations name groups {sorted(groups)}")
+    return pairs
+
+
+def apply_state_plan(plan: Iterable[StateCopy], pools: Mapping[int, StatePool]) -> None:
+    """Run a manager's ``take_state_plan()`` over ``pools`` (manager group index -> that group's pool).
+
+    Each group's operations run in plan order (groups' states are disjoint, so only the order within
+    a group matters). Every operation is checked before any state moves.
+    """
+    if isinstance(plan, (str, bytes)) or not isinstance(plan, Iterable):
+        raise ConfigError(f"a state plan must be an iterable of StateCopy, got {type(plan).__name__}")
+    by_group: dict[int, list[StateCopy]] = {}
+    for op in plan:
+        if not isinstance(op, StateCopy):
+            raise ConfigError(f"a state plan holds StateCopy operations, got {op!r}")
+        by_group.setdefault(op.group, []).append(op)
+    missing = sorted(set(by_group) - set(pools))
+    if missing:
+        raise ConfigError(f"the plan names group {missing[0]}, which has no state pool here")
+    chosen = [pools[group] for group in by_group]
+    if len({id(pool) for pool in chosen}) != len(chosen):
+        raise ConfigError("two groups of the plan share one state pool: their operations would interleave")
+    for pool in chosen:
+        if not isinstance(pool, StatePool):
+            raise ConfigError(f"pools must map group indices to StatePool, got {type(pool).__name__}")
+    checked = [(pool, pool._batches(ops)) for pool, ops in zip(chosen, by_group.values())]
+    for pool, batches in checked:
+        pool._run(batches)
 
 
 GroupTensors = KVCache | StatePool

@@ -12,6 +12,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 from kvblocks import KVCacheManager, StaleLookupError
 from kvblocks.errors import ConfigError
 from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup
+from kvblocks.hybrid.recurrent import RecurrentGroup
 
 B = 2
 
@@ -70,25 +71,80 @@ def test_configuration_errors() -> None:
 # ---------------------------------------------------------------- state machine
 
 
+ZERO = ("zero",)
+
+
 class HybridMachine(RuleBasedStateMachine):
-    """Random admissions, steps (chunked and decode), frees and preemptions over a full group, a window
-    group and a chunked group, with a shadow of every group's KV: every block any group finds or hands
-    out holds exactly that prefix's content, references equal holders, and a decoding sequence holds at
-    most ceil(W / B) + 1 window blocks."""
+    """Random admissions, steps (chunked and decode), frees, preemptions and state plans over a full group,
+    a window group, optionally a chunked group and a recurrent group, with a shadow of every group's KV and
+    every state: every block any group finds or hands out holds exactly that prefix's content, every
+    findable checkpoint holds exactly the state after its prefix, a running slot always holds the state
+    after its committed tokens (zeroed or restored on admission), references equal holders, and a
+    decoding sequence holds at most ceil(W / B) + 1 window blocks.
+
+    A state is modelled as the tuple of tokens it has consumed: the forward pass of a sequence sets its
+    slot to ``tokens[:n]``; the plan's copies move those tuples, a zero sets ``ZERO``.
+    """
 
     seqs = Bundle("seqs")
 
     @initialize(
-        window=st.integers(1, 7), chunk=st.sampled_from([2, 4, 6]), blocks=st.integers(6, 14), both=st.booleans()
+        window=st.integers(1, 7),
+        chunk=st.sampled_from([2, 4, 6]),
+        blocks=st.integers(6, 14),
+        locals_=st.sampled_from(["window", "both", "none"]),
+        recurrent=st.booleans(),
+        slots=st.integers(1, 4),
+        checkpoints=st.integers(1, 6),
+        every=st.sampled_from([1, 2]),
     )
-    def setup(self, window: int, chunk: int, blocks: int, both: bool) -> None:
+    def setup(
+        self,
+        window: int,
+        chunk: int,
+        blocks: int,
+        locals_: str,
+        recurrent: bool,
+        slots: int,
+        checkpoints: int,
+        every: int,
+    ) -> None:
         self.window = window
-        if both:
-            self.m = hybrid(window=window, chunk=chunk, blocks=blocks)
-        else:  # one local group: the manager's single-group path
-            self.m = HybridKVCacheManager(blocks, B, local_groups=[LocalGroup("sliding_window", window, blocks)])
+        groups = [LocalGroup("sliding_window", window, blocks)] if locals_ != "none" else []
+        if locals_ == "both":
+            groups.append(LocalGroup("chunked_local", chunk, blocks))
+        recurrents = [RecurrentGroup(slots, checkpoints, every)] if recurrent or locals_ == "none" else []
+        self.m = HybridKVCacheManager(blocks, B, local_groups=groups, recurrent_groups=recurrents)
         self.shadow: list[dict[int, object]] = [{} for _ in range(self.m.num_groups)]
+        self.first_recurrent = 1 + len(groups)
+        self.states: dict[int, dict[int, tuple[int, ...]]] = {
+            g: {} for g in range(self.first_recurrent, self.m.num_groups)
+        }
+        self.prefix_of: dict[object, tuple[int, ...]] = {}  # block hash -> the tokens it ends
+        self.ahead: dict[str, int] = {}  # a failed step's forward pass already ran to this many tokens
         self.count = 0
+
+    def run_plan(self) -> None:
+        """The engine's part: run the state plan, in order, before the next forward pass."""
+        for op in self.m.take_state_plan():
+            states = self.states[op.group]
+            states[op.dst] = ZERO if op.src is None else states[op.src]
+
+    def state_of(self, seq: str, n: int) -> tuple[int, ...]:
+        return ZERO if n == 0 else tuple(self.m.token_ids(seq)[:n])  # type: ignore[index]
+
+    def check_slots(self, seq: str) -> None:
+        """Each running slot of ``seq`` holds the state after its committed tokens (or a failed step's)."""
+        committed = self.m.num_computed_tokens(seq)
+        allowed = [self.state_of(seq, committed)]
+        if seq in self.ahead:
+            allowed.append(self.state_of(seq, self.ahead[seq]))
+        for g, states in self.states.items():
+            assert states.get(self.m.state_slot(seq, g)) in allowed, "a running slot holds another state"
+
+    @rule()
+    def plan(self) -> None:
+        self.run_plan()
 
     @rule(target=seqs, head=st.integers(0, 2), length=st.integers(1, 14), skip=st.booleans())
     def add(self, head: int, length: int, skip: bool):
@@ -99,7 +155,7 @@ class HybridMachine(RuleBasedStateMachine):
         return seq
 
     def tables(self, seq: str) -> list[list[int]]:
-        return [self.m.group_block_table(seq, g) for g in range(self.m.num_groups)]
+        return [self.m.group_block_table(seq, g) for g in range(self.first_recurrent)]
 
     @rule(seq=seqs, chunk=st.integers(1, 14), stale=st.booleans())
     def admit(self, seq: str, chunk: int, stale: bool) -> None:
@@ -116,7 +172,13 @@ class HybridMachine(RuleBasedStateMachine):
             return
         hit = table.num_cached_tokens
         event("admission with a hit" if hit else "admission without a hit")
+        self.ahead.pop(seq, None)
         hashes = m.block_hashes(seq)
+        if self.states:
+            if hit:
+                event("a hit restored a checkpoint")
+            self.run_plan()
+            self.check_slots(seq)  # zeroed, or restored to exactly the state after the hit
         for g, group_table in enumerate(self.tables(seq)):
             for position in range(hit // B):
                 block = group_table[position]
@@ -137,20 +199,32 @@ class HybridMachine(RuleBasedStateMachine):
             for position in range(before // B, computed // B):
                 assert group_table[position] != PLACEHOLDER
                 self.shadow[g][group_table[position]] = hashes[position]
+        for position in range(computed // B):
+            self.prefix_of[hashes[position]] = tuple(m.token_ids(seq)[: (position + 1) * B])  # type: ignore[index]
+        if self.states:  # the plan runs before the forward pass, which moves every running state to `computed`
+            self.run_plan()
+            self.check_slots(seq)
+            for g, states in self.states.items():
+                states[m.state_slot(seq, g)] = self.state_of(seq, computed)
         tokens = [[7]] if sample and computed == m.num_tokens(seq) and m.token_ids(seq) is not None else None
         failed = m.step([seq], [computed], tokens, new, k)
         event("step failed" if failed else "step")
         if failed:
             assert m.num_computed_tokens(seq) == before
+            self.ahead[seq] = computed
+        else:
+            self.ahead.pop(seq, None)
 
     @rule(seq=consumes(seqs))
     def free(self, seq: str) -> None:
         self.m.free(seq)
+        self.ahead.pop(seq, None)
 
     @rule(seq=seqs)
     def preempt(self, seq: str) -> None:
         if self.m.is_admitted(seq):
             self.m.preempt(seq)
+            self.ahead.pop(seq, None)
 
     @invariant()
     def consistent(self) -> None:
@@ -168,8 +242,16 @@ class HybridMachine(RuleBasedStateMachine):
                 h = local.index.hash_of(b)
                 if h is not None:
                     assert self.shadow[g].get(b) == h, f"a findable block of group {g} holds other KV"
+        for g, states in self.states.items():
+            recurrent = m._recurrent(g)
+            for h, checkpoint in recurrent.index._block_of.items():
+                expected = self.prefix_of[h]
+                assert states.get(recurrent.state_id(checkpoint)) == expected, "a findable checkpoint holds other state"
+                event("a findable checkpoint")
         bound = math.ceil(self.window / B) + 1
-        for seq_id in list(m._seqs):
+        if m.num_groups == self.first_recurrent and not m._locals:  # pragma: no cover - setup always adds one
+            return
+        for seq_id in list(m._seqs) if m._locals else ():
             if m.is_admitted(seq_id) and m.num_allocated_tokens(seq_id) == m.num_computed_tokens(seq_id) + 1:
                 held = sum(b != PLACEHOLDER for b in m.group_block_table(seq_id, 1))
                 if held < len(m.group_block_table(seq_id, 1)):

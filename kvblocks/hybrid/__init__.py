@@ -26,6 +26,7 @@ from kvblocks.hybrid.layout import (
 )
 from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup
 from kvblocks.hybrid.presets import HYBRID_PRESETS, hybrid_preset
+from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -42,7 +43,9 @@ __all__ = [
     "HybridLayout",
     "LocalGroup",
     "MemoryPlan",
+    "RecurrentGroup",
     "RecurrentState",
+    "StateCopy",
     "StatePool",
     "StateTensor",
     "held_blocks",

@@ -167,6 +167,62 @@ def test_events_remove_and_clear() -> None:
     r.check_integrity()
 
 
+def test_only_the_full_groups_events_feed_the_prefix_index() -> None:
+    """A hybrid worker's sliding-window group drops hashes its full group still holds: the prefix stays."""
+    r = router()
+    h = hashes(tokens(4))
+    r.apply_events("w1", [BlockStored(tuple(h), None, "device", None, 0, "full")])
+    r.apply_events("w1", [BlockStored(tuple(h), None, "device", None, 1, "sliding_window")])
+    r.apply_events("w1", [BlockRemoved(tuple(h[:3]), "device", 1, "sliding_window")])  # left the window
+    r.apply_events("w1", [AllBlocksCleared("device", 2, "chunked_local")])
+    r.apply_events("w2", [BlockStored(tuple(h), None, "device", None, 1, "sliding_window")])  # no full copy
+    assert r.overlaps(h) == {"w0": 0.0, "w1": 4.0, "w2": 0.0}
+    assert r.load("w1").cached_blocks == 4 and r.load("w1").evicted_recently == 0
+    r.apply_events("w1", [BlockRemoved((h[3],), "device", 0, "full")])  # the full group's own removal counts
+    assert r.overlaps(h)["w1"] == 3.0 and r.load("w1").evicted_recently == 1
+    r.check_integrity()
+
+
+def test_a_hybrid_workers_events_through_the_wire_keep_the_router_equal_to_its_full_tree() -> None:
+    """A full-attention tree and a sliding-window index share a sink, as in a hybrid manager; their tagged
+    events go through a publisher, bytes, a consumer and a snapshot into the router."""
+    from kvblocks import BlockPool, PrefixTree
+    from kvblocks.event_transport import InProcessTransport, pump
+    from kvblocks.events import EventConsumer, EventPublisher
+    from kvblocks.hybrid.block_index import FlatBlockIndex
+
+    sink = EventSink()
+    full_pool, window_pool = BlockPool(8), BlockPool(8)
+    tree = PrefixTree(full_pool, events=sink, group=0, group_kind="full")
+    window = FlatBlockIndex(window_pool, events=sink, group=1, group_kind="sliding_window")
+    transport = InProcessTransport()
+    publisher = EventPublisher(
+        "w1", sink, transport, snapshot=lambda: [*tree.snapshot_events(), *window.snapshot_events()]
+    )
+    r = router()
+    consumer = EventConsumer(on_events=r.apply_events, on_snapshot=r.replace_index)
+
+    h = hashes(tokens(6))
+    full_blocks, window_blocks = full_pool.take_fresh(6), window_pool.take_fresh(6)
+    tree.insert(h, full_blocks)
+    window.insert_run(h, window_blocks, 0, 6)
+    window_pool.release(window_blocks[:4])  # blocks 0-3 left the window; the full group keeps them
+    assert window.evict(3) == window_blocks[:3]
+    publisher.publish()
+    pump(transport, consumer)
+    assert r.overlaps(h)["w1"] == tree.match_length(h) == 6
+    publisher.publish_snapshot()
+    pump(transport, consumer)
+    assert consumer.batches == 2 and not consumer.needs_resync
+    assert r.overlaps(h)["w1"] == 6 and r.load("w1").cached_blocks == 6
+    full_pool.release(full_blocks[::-1])
+    tree.evict(2)
+    publisher.publish()
+    pump(transport, consumer)
+    assert r.overlaps(h)["w1"] == tree.match_length(h) == 4
+    r.check_integrity()
+
+
 def test_routing_by_hashes_matches_routing_by_tokens() -> None:
     r = router()
     prompt = tokens(5)

@@ -58,7 +58,7 @@ from kvblocks.hashing import (
     hashes_to_json,
 )
 from kvblocks.manager import BlockTable, KVCacheManager, _Sequence
-from kvblocks.strict_json import MAX_INT, brief, is_text, parse_versioned
+from kvblocks.strict_json import MAX_INT, StrictJSONError, brief, is_text, parse
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.manager import TieredKVCacheManager
 
@@ -68,6 +68,9 @@ __all__ = [
     "DecodeAdmission",
     "DecodeManager",
     "DisaggConfig",
+    "GROUPS_HANDOFF_VERSION",
+    "LOCAL_GROUP_KINDS",
+    "HandoffGroup",
     "PrefillHandoff",
     "PrefillManager",
     "RequestUsage",
@@ -78,6 +81,13 @@ __all__ = [
 
 ROLES = ("mixed", "prefill", "decode")
 HANDOFF_VERSION = 1
+"""The format of a handoff without per-group tables (one group of full-attention layers)."""
+GROUPS_HANDOFF_VERSION = 2
+"""The format of a handoff that carries per-group tables: a reader of version 1 only, which would
+ignore them and move the full-attention KV alone, refuses it instead."""
+LOCAL_GROUP_KINDS = ("sliding_window", "chunked_local")
+PLACEHOLDER = -1
+"""A local group's entry for a block position the prefill node released (it left the window)."""
 
 
 @dataclass(frozen=True)
@@ -114,12 +124,78 @@ def _hashes_from_json(raw: object) -> tuple[BlockHash, ...]:
         raise HandoffError(f"{e} in handoff") from None
 
 
+def first_held_block(kind: str, span: int, block_size: int, num_tokens: int) -> int:
+    """The first block position a local group holds once ``num_tokens`` tokens are committed: the first
+    any token from ``num_tokens`` on attends to (its window's or chunk's start). The hybrid manager's rule."""
+    start = max(0, num_tokens - span + 1) if kind == "sliding_window" else num_tokens - num_tokens % span
+    return start // block_size
+
+
+@dataclass(frozen=True)
+class HandoffGroup:
+    """A local group's part of a handoff: its kind, span (window or chunk, tokens) and, per block position
+    of the prompt, the prefill node's block (:data:`PLACEHOLDER` where it was released: the decode node
+    needs only the blocks of the window at the prompt's end)."""
+
+    kind: str
+    span: int
+    blocks: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "span": self.span, "blocks": list(self.blocks)}
+
+    @classmethod
+    def from_json(cls, raw: object) -> HandoffGroup:
+        if type(raw) is not dict or set(raw) != _GROUP_FIELDS:
+            raise HandoffError(f"malformed handoff group: expected an object of kind, span, blocks, got {brief(raw)}")
+        blocks = raw["blocks"]
+        if type(blocks) is not list:
+            raise HandoffError(f"malformed handoff group: blocks must be a list, got {brief(blocks)}")
+        return cls(raw["kind"], raw["span"], tuple(blocks))
+
+    def validate(self, num_prompt_tokens: int, block_size: int) -> None:
+        """Kind known, span a positive count, one entry per prompt block: a block id exactly where the
+        window at the prompt's end reaches, PLACEHOLDER before it."""
+        if not is_text(self.kind) or self.kind not in LOCAL_GROUP_KINDS:
+            raise HandoffError(
+                f"handoff group kind must be one of {', '.join(LOCAL_GROUP_KINDS)}, got {brief(self.kind)}"
+            )
+        if not _is_wire_count(self.span) or self.span == 0:
+            raise HandoffError(f"handoff group span must be a positive int of at most 63 bits, got {brief(self.span)}")
+        blocks = self.blocks
+        total = -(-num_prompt_tokens // block_size)
+        if type(blocks) is not tuple or len(blocks) != total:
+            raise HandoffError(f"handoff group has {_length(blocks)} blocks for {total} prompt blocks")
+        if not all(type(b) is int and PLACEHOLDER <= b <= MAX_INT for b in blocks):
+            raise HandoffError("handoff group blocks must be ints in -1..2**63-1")
+        first = first_held_block(self.kind, self.span, block_size, num_prompt_tokens)
+        if any(b == PLACEHOLDER for b in blocks[first:]) or any(b != PLACEHOLDER for b in blocks[:first]):
+            raise HandoffError(
+                f"handoff {self.kind} group of span {self.span}: positions from {first} on need a block, "
+                f"those before it are released (PLACEHOLDER)"
+            )
+
+    @property
+    def layout(self) -> tuple[str, int]:
+        return (self.kind, self.span)
+
+
+_GROUP_FIELDS = frozenset(("kind", "span", "blocks"))
+
+
+def _length(value: object) -> str:
+    return str(len(value)) if isinstance(value, tuple) else brief(value)
+
+
 @dataclass(frozen=True)
 class PrefillHandoff:
     """What a decode node needs to take over a prefilled request (serialisable with :meth:`to_bytes`).
 
     ``source_blocks`` cover the whole prompt, the partial last block included;
     ``block_hashes`` name its full blocks; ``cached`` is what the prefill node found cached.
+    ``groups`` are the tables of a hybrid model's local groups 1, 2, ... (``source_blocks`` is group 0,
+    full attention): empty for a model of full attention only, whose bytes are then format version 1
+    exactly as before; a handoff with groups is format :data:`GROUPS_HANDOFF_VERSION`.
     """
 
     seq_id: str | int
@@ -131,22 +207,28 @@ class PrefillHandoff:
     block_size: int
     key_space: str
     version: int = HANDOFF_VERSION
+    groups: tuple[HandoffGroup, ...] = ()
 
     def to_bytes(self) -> bytes:
-        return json.dumps(
-            {
-                "version": self.version,
-                "seq_id": self.seq_id,
-                "num_prompt_tokens": self.num_prompt_tokens,
-                "block_hashes": hashes_to_json(self.block_hashes),
-                "source_blocks": list(self.source_blocks),
-                "cached": [self.cached.device, self.cached.host, self.cached.storage],
-                "scheme": self.scheme,
-                "block_size": self.block_size,
-                "key_space": self.key_space,
-            },
-            separators=(",", ":"),
-        ).encode()
+        raw: dict[str, Any] = {
+            "version": self.version,
+            "seq_id": self.seq_id,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "block_hashes": hashes_to_json(self.block_hashes),
+            "source_blocks": list(self.source_blocks),
+            "cached": [self.cached.device, self.cached.host, self.cached.storage],
+            "scheme": self.scheme,
+            "block_size": self.block_size,
+            "key_space": self.key_space,
+        }
+        if self.groups:
+            raw["groups"] = [g.to_json() for g in self.groups]
+        return json.dumps(raw, separators=(",", ":")).encode()
+
+    @property
+    def group_layout(self) -> tuple[tuple[str, int], ...]:
+        """(kind, span) of each local group (empty: full attention only)."""
+        return tuple(g.layout for g in self.groups)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PrefillHandoff:
@@ -157,7 +239,7 @@ class PrefillHandoff:
         format version, a field of a wrong type or out of range, or counts that do not fit
         together is refused.
         """
-        raw = parse_versioned(data, "handoff", HANDOFF_VERSION, HandoffError)
+        raw = _parse_handoff(data)
         missing = _HANDOFF_FIELDS.difference(raw)
         if missing:
             raise HandoffError(f"malformed handoff: missing {', '.join(sorted(missing))}")
@@ -179,6 +261,8 @@ class PrefillHandoff:
             scheme=raw["scheme"],
             block_size=raw["block_size"],
             key_space=raw["key_space"],
+            version=raw["version"],
+            groups=_groups_from_json(raw),
         )
         handoff.validate()
         return handoff
@@ -196,8 +280,14 @@ class PrefillHandoff:
         for name in ("scheme", "key_space"):
             if not is_text(getattr(self, name)):
                 raise HandoffError(f"handoff {name} must be a str, got {brief(getattr(self, name))}")
-        if type(self.version) is not int:
-            raise HandoffError(f"handoff version must be an int, got {brief(self.version)}")
+        if type(self.groups) is not tuple or not all(isinstance(g, HandoffGroup) for g in self.groups):
+            raise HandoffError(f"handoff groups must be a tuple of HandoffGroup, got {brief(self.groups)}")
+        expected = GROUPS_HANDOFF_VERSION if self.groups else HANDOFF_VERSION
+        if type(self.version) is not int or self.version != expected:
+            raise HandoffError(
+                f"handoff format version {brief(self.version)}; a handoff "
+                f"{'with' if self.groups else 'without'} per-group tables is version {expected}"
+            )
         size = self.block_size
         if len(self.block_hashes) != self.num_prompt_tokens // size:
             raise HandoffError(
@@ -211,12 +301,40 @@ class PrefillHandoff:
             raise HandoffError("handoff source blocks must be ints in 0..2**63-1")
         if not isinstance(self.cached, CachedTokens) or self.cached.num_prompt_tokens != self.num_prompt_tokens:
             raise HandoffError("handoff cached tokens must be a CachedTokens of the same prompt")
+        for group in self.groups:
+            group.validate(self.num_prompt_tokens, size)
         object.__setattr__(self, "_validated", True)  # immutable: once sound, always sound
 
 
 _HANDOFF_FIELDS = frozenset(
     ("seq_id", "num_prompt_tokens", "block_hashes", "source_blocks", "cached", "scheme", "block_size", "key_space")
 )
+
+
+def _parse_handoff(data: object) -> dict[str, Any]:
+    """One strict JSON object of a known handoff format version (1, or 2 with per-group tables)."""
+    try:
+        raw = parse(data)
+    except StrictJSONError as e:
+        raise HandoffError(f"handoff: {e}") from None
+    if type(raw) is not dict:
+        raise HandoffError("handoff must be a JSON object")
+    found = raw.get("version")
+    if type(found) is not int or found not in (HANDOFF_VERSION, GROUPS_HANDOFF_VERSION):
+        raise HandoffError(
+            f"handoff format version {brief(found)}; this kvblocks reads {HANDOFF_VERSION} and {GROUPS_HANDOFF_VERSION}"
+        )
+    return raw
+
+
+def _groups_from_json(raw: dict[str, Any]) -> tuple[HandoffGroup, ...]:
+    """Version 2 carries a non-empty list of groups; version 1 none (validate checks the pairing)."""
+    if "groups" not in raw:
+        return ()
+    groups = raw["groups"]
+    if type(groups) is not list or not groups:
+        raise HandoffError(f"malformed handoff: groups must be a non-empty list, got {brief(groups)}")
+    return tuple(HandoffGroup.from_json(g) for g in groups)
 
 
 def _is_wire_count(value: object) -> bool:
@@ -277,6 +395,7 @@ class PrefillManager(KVCacheManager):
                 f"sequence {seq_id!r} has {s.num_committed} of {prompt} tokens committed; commit the whole prompt first"
             )
         size = self._block_size
+        groups = self._handoff_groups(s, math.ceil(prompt / size))
         handoff = PrefillHandoff(
             seq_id=seq_id,
             num_prompt_tokens=prompt,
@@ -286,9 +405,15 @@ class PrefillManager(KVCacheManager):
             scheme=self.config.hash_scheme,
             block_size=size,
             key_space=self._key_space,
+            version=GROUPS_HANDOFF_VERSION if groups else HANDOFF_VERSION,
+            groups=groups,
         )
         self._transferring[seq_id] = handoff
         return handoff
+
+    def _handoff_groups(self, s: _Sequence, num_blocks: int) -> tuple[HandoffGroup, ...]:
+        """The tables of the layer groups beside the full-attention one (a hybrid manager has them). None here."""
+        return ()
 
     def is_transferring(self, seq_id: Hashable) -> bool:
         return seq_id in self._transferring
@@ -338,6 +463,11 @@ class DecodeAdmission:
     """(prefill source block, decode block) pairs: the prompt's blocks beyond the decode-side hit."""
     cached: CachedTokens
     """The request's cached tokens: the prefill report plus the decode-side hit beyond it."""
+    group_tables: tuple[tuple[int, ...], ...] = ()
+    """Per group (0: ``table``; then a hybrid model's local groups): the decode-side table, PLACEHOLDER where
+    a local group holds no block (positions its window at the prompt's end does not reach)."""
+    group_transfers: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Per group (0: ``transfers``): the (source block, decode block) copies that fill that group's table."""
 
 
 @dataclass(frozen=True)
@@ -441,9 +571,7 @@ class DecodeManager(KVCacheManager):
     def _check_compatible(self, handoff: PrefillHandoff) -> None:
         if not isinstance(handoff, PrefillHandoff):
             raise HandoffError(f"expected a PrefillHandoff, got {type(handoff).__name__}")
-        handoff.validate()
-        if handoff.version != HANDOFF_VERSION:
-            raise HandoffError(f"handoff format version {handoff.version}; this node reads {HANDOFF_VERSION}")
+        handoff.validate()  # the format version among the rest: 1, or 2 with per-group tables
         config = self.config
         if handoff.scheme != config.hash_scheme or handoff.block_size != config.block_size:
             raise HandoffError(
@@ -452,6 +580,24 @@ class DecodeManager(KVCacheManager):
             )
         if handoff.key_space != self._key_space:
             raise HandoffError("handoff from another namespace (model or salt): its block hashes mean nothing here")
+        layout = self._group_layout()
+        if handoff.group_layout != layout:
+            raise HandoffError(
+                f"handoff from a node whose local groups are {list(handoff.group_layout) or 'none'}; "
+                f"this node's are {list(layout) or 'none'}"
+            )
+
+    def _group_layout(self) -> tuple[tuple[str, int], ...]:
+        """(kind, span) of the layer groups beside full attention, which a handoff must match. None here."""
+        return ()
+
+    def _accept_beside(
+        self, s: _Sequence, handoff: PrefillHandoff, hits: int, reserve: int
+    ) -> list[tuple[list[int], list[tuple[int, int]]]] | None:
+        """The other groups' part of accepting ``handoff`` over a decode-side hit of ``hits`` blocks, each
+        group keeping ``reserve`` blocks free: per group its table and transfers, or None (and no change)
+        when some group has no room. No other groups here."""
+        return []
 
     def accept_handoff(
         self, handoff: PrefillHandoff, token_ids: Iterable[int], *, extras: BlockExtras | None = None
@@ -477,7 +623,10 @@ class DecodeManager(KVCacheManager):
         need = total - hits
         pool = self._pool
         reserve = self._reserve_per_sequence * (self.num_running + 1) + self._reserve  # + the config's watermark
-        if need + reserve > pool.num_free - pool.count_idle(matched):
+        beside = None
+        if need + reserve <= pool.num_free - pool.count_idle(matched):
+            beside = self._accept_beside(s, handoff, hits, self._reserve_per_sequence * (self.num_running + 1))
+        if beside is None:
             self.decode_counters.handoffs_refused += 1
             return None
         self._seqs[seq_id] = s
@@ -501,7 +650,15 @@ class DecodeManager(KVCacheManager):
         counters.decode_hit_tokens += delta
         counters.transferred_blocks += need
         transfers = tuple(zip(handoff.source_blocks[hits:], new, strict=True))
-        return DecodeAdmission(seq_id, s.view, transfers, cached)
+        counters.transferred_blocks += sum(len(moves) for _, moves in beside)
+        return DecodeAdmission(
+            seq_id,
+            s.view,
+            transfers,
+            cached,
+            group_tables=(tuple(table), *(tuple(t) for t, _ in beside)),
+            group_transfers=(transfers, *(tuple(moves) for _, moves in beside)),
+        )
 
     def is_receiving(self, seq_id: Hashable) -> bool:
         return seq_id in self._receiving
@@ -548,6 +705,10 @@ class DecodeManager(KVCacheManager):
 
     def check_integrity(self) -> None:
         super().check_integrity()
+        self._check_receiving()
+
+    def _check_receiving(self) -> None:
+        """The decode role's own invariants: receiving sequences are admitted, usage figures sound."""
         for seq_id in self._receiving:
             s = self._seqs.get(seq_id)
             if s is None or s.table is None:

@@ -1,0 +1,256 @@
+"""Prefill/decode disaggregation for hybrid models: a handoff carries each local group's table.
+
+A hybrid prefill node's handoff names, beside the full-attention blocks (group 0, ``source_blocks``),
+each sliding-window or chunked-local group's blocks of the window at the prompt's end (the prefill
+node already released the rest: :data:`~kvblocks.hybrid.manager.PLACEHOLDER`). The decode node takes
+only those window blocks in each local group, so a long prompt costs it no more than ``ceil(W / B) + 1``
+blocks per sliding-window group::
+
+    block size 4, window 6, a 17-token prompt (token 17 attends to tokens 12..17)
+    position              0    1    2    3    4
+    prefill  group 0      5    6    7    8    9        source_blocks
+             group 1     -1   -1   -1    3    4        handoff.groups[0].blocks
+    decode   group 0      0    1    2    3    4        five copies
+             group 1     -1   -1   -1    0    1        two copies: (3 -> 0), (4 -> 1)
+
+``accept_handoff`` takes its room in every group or in none (a refusal changes no group), and
+``receive_done`` caches the prompt's blocks in every group: group 0 all of them, a local group those
+it holds. Recurrent groups cannot be handed off yet (their states would need a transfer of their own).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+
+from kvblocks.config import CacheConfig
+from kvblocks.disagg import (
+    DecodeManager,
+    DisaggConfig,
+    HandoffGroup,
+    PrefillHandoff,
+    PrefillManager,
+)
+from kvblocks.errors import ConfigError, IntegrityError
+from kvblocks.events import EventSink
+from kvblocks.hashing import DEFAULT_SCHEME, Namespace
+from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup, _Local
+from kvblocks.manager import KVCacheManager, _Sequence
+
+__all__ = ["HybridDecodeManager", "HybridPrefillManager"]
+
+
+def _local_groups(manager: HybridKVCacheManager) -> list[_Local]:
+    """The manager's local groups; refuses a layout with groups a handoff cannot carry (recurrent)."""
+    locals_ = manager._locals
+    if manager.num_groups != 1 + len(locals_):
+        raise ConfigError("a handoff carries full-attention and local groups only; this layout has recurrent groups")
+    return locals_
+
+
+def _kind(local: _Local) -> str:
+    return local.rule.kind
+
+
+class HybridPrefillManager(PrefillManager, HybridKVCacheManager):
+    """The prefill role over a hybrid manager: ``finish_prefill`` also describes every local group's table.
+
+    >>> p = HybridPrefillManager(16, 4, local_groups=[LocalGroup("sliding_window", span=6, num_blocks=16)])
+    >>> p.add_sequence("r", list(range(17))); _ = p.allocate("r", 17); p.commit("r", 17)
+    >>> h = p.finish_prefill("r"); h.source_blocks, h.groups[0].blocks
+    ((0, 1, 2, 3, 4), (-1, -1, -1, 3, 4))
+    """
+
+    def _handoff_groups(self, s: _Sequence, num_blocks: int) -> tuple[HandoffGroup, ...]:
+        key = id(s)
+        return tuple(
+            HandoffGroup(_kind(local), local.span, tuple(local.tables[key][:num_blocks]))
+            for local in _local_groups(self)
+        )
+
+    def check_integrity(self) -> None:
+        """Also: a sequence being handed off still holds every local block its handoff names."""
+        super().check_integrity()
+        for seq_id, handoff in self._transferring.items():
+            s = self._seqs[seq_id]
+            for number, (local, group) in enumerate(zip(self._locals, handoff.groups, strict=True), 1):
+                if tuple(local.tables.get(id(s), ())[: len(group.blocks)]) != group.blocks:
+                    raise IntegrityError(f"sequence {seq_id!r} lost group {number}'s blocks it is transferring")
+
+
+class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
+    """The decode role over a hybrid manager: accepts handoffs whose local groups match its own.
+
+    A local group takes only the blocks of the window at the prompt's end: those its own cache holds
+    below the decode-side hit are kept, the others are copied from the prefill node (one transfer list
+    per group in :attr:`~kvblocks.disagg.DecodeAdmission.group_transfers`). Each local group, like the
+    full-attention pool, keeps ``reserve_blocks_per_sequence`` free per running sequence.
+
+    >>> window = [LocalGroup("sliding_window", span=6, num_blocks=8)]
+    >>> p = HybridPrefillManager(16, 4, local_groups=window)
+    >>> d = HybridDecodeManager(16, 4, local_groups=window)
+    >>> p.add_sequence("r", list(range(17))); _ = p.allocate("r", 17); p.commit("r", 17)
+    >>> a = d.accept_handoff(p.finish_prefill("r"), list(range(17)))
+    >>> a.group_tables[1], a.group_transfers[1]
+    ((-1, -1, -1, 0, 1), ((3, 0), (4, 1)))
+    >>> d.receive_done("r"); p.transfer_done("r")
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        local_groups: Sequence[LocalGroup],
+        reserve_blocks_per_sequence: int = 1,
+        hash_scheme: str = DEFAULT_SCHEME,
+        namespace: str | Namespace = "default",
+        enable_prefix_caching: bool = True,
+        event_sink: EventSink | None = None,
+        reserved_blocks: int = 0,
+    ) -> None:
+        HybridKVCacheManager.__init__(
+            self,
+            num_blocks,
+            block_size,
+            local_groups=local_groups,
+            hash_scheme=hash_scheme,
+            namespace=namespace,
+            enable_prefix_caching=enable_prefix_caching,
+            event_sink=event_sink,
+            reserved_blocks=reserved_blocks,
+        )
+        self._set_role(DisaggConfig(role="decode", reserve_blocks_per_sequence=reserve_blocks_per_sequence))
+        self._landing: _Sequence | None = None
+
+    @classmethod
+    def from_config(  # type: ignore[override]
+        cls,
+        config: CacheConfig,
+        *,
+        local_groups: Sequence[LocalGroup],
+        disagg: DisaggConfig | None = None,
+        event_sink: EventSink | None = None,
+    ) -> HybridDecodeManager:
+        if not isinstance(config, CacheConfig):
+            raise ConfigError(f"config must be a CacheConfig, got {type(config).__name__}")
+        if config.drop_last_matched_block:
+            raise ConfigError("drop_last_matched_block is not supported with local groups")
+        manager = cls(
+            config.num_blocks,
+            config.block_size,
+            local_groups=local_groups,
+            hash_scheme=config.hash_scheme,
+            namespace=config.namespace,
+            enable_prefix_caching=config.enable_prefix_caching,
+            event_sink=event_sink,
+            reserved_blocks=config.reserved_blocks,
+        )
+        manager._set_role(disagg or DisaggConfig(role="decode"))
+        return manager
+
+    def _group_layout(self) -> tuple[tuple[str, int], ...]:
+        return tuple((_kind(local), local.span) for local in _local_groups(self))
+
+    def _accept_beside(
+        self, s: _Sequence, handoff: PrefillHandoff, hits: int, reserve: int
+    ) -> list[tuple[list[int], list[tuple[int, int]]]] | None:
+        """Every local group's window at the prompt's end: kept from this node's cache below the hit,
+        new (and copied) above it; checked in every group before any takes a block."""
+        prompt = handoff.num_prompt_tokens
+        total = math.ceil(prompt / self._block_size)
+        hashes = s.content.hashes
+        plans: list[tuple[_Local, int, list[int | None]]] = []
+        for local in self._locals:
+            first = local.first_needed(prompt)
+            found = [local.index.block_of(hashes[p]) if p < hits else None for p in range(first, total)]
+            kept = [b for b in found if b is not None]
+            if found.count(None) + reserve > local.pool.num_free - local.pool.count_idle(kept):
+                return None
+            plans.append((local, first, found))
+        for local, _, found in plans:  # every kept block held before any group takes (and maybe evicts)
+            local.pool._acquire_valid(b for b in found if b is not None)
+        out: list[tuple[list[int], list[tuple[int, int]]]] = []
+        for (local, first, found), group in zip(plans, handoff.groups, strict=True):
+            new = iter(local.take(found.count(None)))
+            table: list[int] = [PLACEHOLDER] * first
+            moves: list[tuple[int, int]] = []
+            for position, block in enumerate(found, first):
+                if block is None:
+                    block = next(new)
+                    moves.append((group.blocks[position], block))
+                table.append(block)
+            local.tables[id(s)] = table
+            local.released[id(s)] = first
+            out.append((table, moves))
+        return out
+
+    def receive_done(self, seq_id: Hashable, *, ok: bool = True) -> None:
+        landing = self._seqs.get(seq_id) if ok and seq_id in self._receiving else None
+        self._landing = landing
+        try:
+            super().receive_done(seq_id, ok=ok)
+        finally:
+            self._landing = None
+
+    def _commit(self, s: _Sequence, n: int) -> None:
+        """A received prompt's commit: group 0 caches every block, a local group those it holds (its
+        window at the prompt's end, released up to there already). Other commits: the hybrid rule."""
+        if s is not self._landing:
+            super()._commit(s, n)
+            return
+        start = s.num_committed // self._block_size
+        super(HybridKVCacheManager, self)._commit(s, n)  # the full-attention blocks, as on any node
+        if self._caching:
+            for local in self._locals:
+                begin = max(start, local.released[id(s)])
+                local.index.insert_run(s.content.hashes, local.tables[id(s)], begin, n // self._block_size)
+        self._watch(s, n)
+
+    def check_integrity(self) -> None:
+        """The decode and hybrid checks; a receiving sequence's local tables hold the prompt's windows.
+
+        The hybrid check reads a local table's window from the committed tokens, which for a sequence
+        still receiving its prompt lag behind the window it holds; until that check takes the window's
+        end from a hook, such sequences are checked here and the rest by the hybrid check.
+        """
+        ahead = self._windows_ahead()
+        if not ahead:
+            super().check_integrity()
+            return
+        DecodeManager._check_receiving(self)
+        KVCacheManager.check_integrity(self)
+        self._check_local_tables(ahead)
+
+    def _windows_ahead(self) -> dict[int, int]:
+        """id(s) -> prompt tokens, for receiving sequences whose windows are past their committed ones."""
+        ahead = {}
+        for seq_id in self._receiving:
+            s = self._seqs[seq_id]
+            prompt = s.content.num_tokens
+            if any(local.first_needed(prompt) != local.first_needed(s.num_committed) for local in self._locals):
+                ahead[id(s)] = prompt
+        return ahead
+
+    def _check_local_tables(self, ahead: dict[int, int]) -> None:
+        """Per local group: pool and index sound, references equal the tables, each table as long as the
+        full one and holding a block exactly from its window's first position on."""
+        live = {id(s): (seq_id, s) for seq_id, s in self._seqs.items() if s.table is not None}
+        for number, local in enumerate(self._locals, 1):
+            local.pool.check_integrity()
+            local.index.check_integrity()
+            if set(local.tables) != set(live):
+                raise IntegrityError(f"group {number} has tables for other sequences than the admitted ones")
+            expected = [0] * local.pool.num_blocks
+            for key, table in local.tables.items():
+                seq_id, s = live[key]
+                first = local.first_needed(ahead.get(key, s.num_committed))
+                if len(table) != len(s.table or ()) or any(
+                    (b == PLACEHOLDER) != (p < first) for p, b in enumerate(table)
+                ):
+                    raise IntegrityError(f"group {number}: {seq_id!r}'s table {table} does not hold its window")
+                for block in table[first:]:
+                    expected[block] += 1
+            for block in range(local.pool.num_blocks):
+                if local.pool.ref_count(block) != expected[block]:
+                    raise IntegrityError(f"group {number}: block {block} has {local.pool.ref_count(block)} references")

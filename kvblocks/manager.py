@@ -118,8 +118,10 @@ class _TimedTree(PrefixTree):
 
     __slots__ = ("lifetimes",)
 
-    def __init__(self, pool: BlockPool, *, events: EventSink | None) -> None:
-        super().__init__(pool, tier="device", events=events)
+    def __init__(
+        self, pool: BlockPool, *, events: EventSink | None, group: int | None = None, group_kind: str | None = None
+    ) -> None:
+        super().__init__(pool, tier="device", events=events, group=group, group_kind=group_kind)
         self.lifetimes = BlockLifetimes()
 
     def evict(self, count: int, removed_hashes: list[BlockHash] | None = None) -> list[int]:
@@ -190,6 +192,9 @@ class KVCacheManager:
     role: ClassVar[str] = "mixed"
     """The node's role in prefill/decode disaggregation (see :mod:`kvblocks.disagg`)."""
 
+    _tree_group: ClassVar[tuple[int | None, str | None]] = (None, None)
+    """The group tag of the tree's events: untagged here; a hybrid manager's tree is group 0, ``"full"``."""
+
     def __init__(
         self,
         num_blocks: int,
@@ -229,7 +234,8 @@ class KVCacheManager:
         self._drop_last = config.drop_last_matched_block
         self._hasher = BlockHasher(config.block_size, config.hash_scheme, config.namespace)
         self._pool = BlockPool(config.num_blocks)
-        self._tree = _TimedTree(self._pool, events=event_sink)
+        group, kind = self._tree_group
+        self._tree = _TimedTree(self._pool, events=event_sink, group=group, group_kind=kind)
         self._seqs: dict[Hashable, _Sequence] = {}
         self._freed: OrderedDict[Hashable, None] = OrderedDict()
         self._counters = HitCounters()
@@ -471,7 +477,7 @@ class KVCacheManager:
         size = self._block_size
         need = (covered + lookahead + size - 1) // size - len(table)
         if need > 0:
-            if need > self._free_for_growth():
+            if not self._room_to_grow(s, need):
                 return False
             table += self._take(need)
         elif need < 0:
@@ -482,9 +488,9 @@ class KVCacheManager:
         s.lookahead = lookahead
         return True
 
-    def _free_for_growth(self) -> int:
-        """Blocks a running sequence's growth may take now (a hybrid manager: the scarcest group's)."""
-        return self._pool.num_free
+    def _room_to_grow(self, s: _Sequence, need: int) -> bool:
+        """Whether admitted ``s`` may take ``need`` more blocks now (a hybrid manager asks every group). Pure."""
+        return need <= self._pool.num_free
 
     def _admit(self, seq_id: Hashable, s: _Sequence, n: int, k: int, expected: int | None) -> BlockTable | None:
         size = self._block_size
@@ -716,7 +722,7 @@ class KVCacheManager:
         pool = self._pool
         for seq_id, s, n, packed, covered, k in plan:
             need = (covered + k + size - 1) // size - len(s.table)
-            if need > 0 and need > self._free_for_growth():
+            if need > 0 and not self._room_to_grow(s, need):
                 failed.append(seq_id)  # nothing changed for it
                 continue
             committed = s.num_committed

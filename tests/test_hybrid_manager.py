@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
 from kvblocks import KVCacheManager, StaleLookupError
-from kvblocks.errors import ConfigError
+from kvblocks.errors import ConfigError, InvalidArgumentError
+from kvblocks.events import EventSink
 from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup
 from kvblocks.hybrid.recurrent import RecurrentGroup
 
@@ -97,6 +98,7 @@ class HybridMachine(RuleBasedStateMachine):
         slots=st.integers(1, 4),
         checkpoints=st.integers(1, 6),
         every=st.sampled_from([1, 2]),
+        ratios=st.tuples(st.sampled_from([1, 2]), st.sampled_from([1, 2])),
     )
     def setup(
         self,
@@ -108,11 +110,14 @@ class HybridMachine(RuleBasedStateMachine):
         slots: int,
         checkpoints: int,
         every: int,
+        ratios: tuple[int, int],
     ) -> None:
         self.window = window
-        groups = [LocalGroup("sliding_window", window, blocks)] if locals_ != "none" else []
+        # local groups' blocks are 1 or 2 chain blocks long
+        groups = [LocalGroup("sliding_window", window, blocks, B * ratios[0])] if locals_ != "none" else []
         if locals_ == "both":
-            groups.append(LocalGroup("chunked_local", chunk, blocks))
+            groups.append(LocalGroup("chunked_local", chunk, blocks, B * ratios[1]))
+        self.sizes = [B, *(g.block_size for g in groups)]  # block size per attention group
         recurrents = [RecurrentGroup(slots, checkpoints, every)] if recurrent or locals_ == "none" else []
         self.m = HybridKVCacheManager(blocks, B, local_groups=groups, recurrent_groups=recurrents)
         self.shadow: list[dict[int, object]] = [{} for _ in range(self.m.num_groups)]
@@ -165,7 +170,7 @@ class HybridMachine(RuleBasedStateMachine):
         seen = m.lookup(seq).total
         n = min(chunk, m.num_tokens(seq) - seen)
         try:
-            table = m.allocate(seq, n, num_cached_tokens=seen if not stale else max(0, seen - B))
+            table = m.allocate(seq, n, num_cached_tokens=seen if not stale else max(0, seen - m.hit_step))
         except StaleLookupError:
             return
         if table is None:
@@ -180,10 +185,12 @@ class HybridMachine(RuleBasedStateMachine):
             self.run_plan()
             self.check_slots(seq)  # zeroed, or restored to exactly the state after the hit
         for g, group_table in enumerate(self.tables(seq)):
-            for position in range(hit // B):
+            ratio = self.sizes[g] // B
+            for position in range(hit // self.sizes[g]):
                 block = group_table[position]
                 if block != PLACEHOLDER:
-                    assert self.shadow[g][block] == hashes[position], "a hit handed out another prefix's KV"
+                    key = hashes[(position + 1) * ratio - 1]
+                    assert self.shadow[g][block] == key, "a hit handed out another prefix's KV"
 
     @rule(seq=seqs, new=st.integers(1, 6), sample=st.booleans(), k=st.integers(0, 3))
     def step(self, seq: str, new: int, sample: bool, k: int) -> None:
@@ -196,9 +203,10 @@ class HybridMachine(RuleBasedStateMachine):
         tables = self.tables(seq)
         # the forward pass writes every full block it completes, in every group
         for g, group_table in enumerate(tables):
-            for position in range(before // B, computed // B):
+            size = self.sizes[g]
+            for position in range(before // size, computed // size):
                 assert group_table[position] != PLACEHOLDER
-                self.shadow[g][group_table[position]] = hashes[position]
+                self.shadow[g][group_table[position]] = hashes[(position + 1) * size // B - 1]
         for position in range(computed // B):
             self.prefix_of[hashes[position]] = tuple(m.token_ids(seq)[: (position + 1) * B])  # type: ignore[index]
         if self.states:  # the plan runs before the forward pass, which moves every running state to `computed`
@@ -248,10 +256,10 @@ class HybridMachine(RuleBasedStateMachine):
                 expected = self.prefix_of[h]
                 assert states.get(recurrent.state_id(checkpoint)) == expected, "a findable checkpoint holds other state"
                 event("a findable checkpoint")
-        bound = math.ceil(self.window / B) + 1
-        if m.num_groups == self.first_recurrent and not m._locals:  # pragma: no cover - setup always adds one
+        if not m._locals:
             return
-        for seq_id in list(m._seqs) if m._locals else ():
+        bound = math.ceil(self.window / self.sizes[1]) + 1
+        for seq_id in list(m._seqs):
             if m.is_admitted(seq_id) and m.num_allocated_tokens(seq_id) == m.num_computed_tokens(seq_id) + 1:
                 held = sum(b != PLACEHOLDER for b in m.group_block_table(seq_id, 1))
                 if held < len(m.group_block_table(seq_id, 1)):
@@ -261,3 +269,73 @@ class HybridMachine(RuleBasedStateMachine):
 
 HybridMachine.TestCase.settings = settings(max_examples=250, stateful_step_count=50, deadline=None)
 TestHybridMachine = HybridMachine.TestCase
+
+
+# ---------------------------------------------------------------- groups of other block sizes
+
+
+def test_a_group_with_twice_the_block_size_keys_each_block_by_the_hash_that_ends_it() -> None:
+    m = HybridKVCacheManager(16, B, local_groups=[LocalGroup("sliding_window", 3, 16, block_size=2 * B)])
+    assert m.hit_step == 2 * B
+    serve(m, "a", list(range(11)))  # chain blocks of 2 tokens; window blocks of 4
+    assert m.group_block_table("a", 0) == [0, 1, 2, 3, 4, 5]
+    assert m.group_block_table("a", 1) == [PLACEHOLDER, PLACEHOLDER, 2]  # token 11 attends 9..11
+    hashes = m.block_hashes("a")
+    assert m._locals[0].index.hash_of(1) == hashes[3]  # group block 1 = chain blocks 2, 3
+    m.free("a")
+    m.add_sequence("b", list(range(11)))
+    assert m.lookup("b").device == 8  # a hit ends on a group block boundary: 10 is not one
+    m.add_sequence("c", list(range(10)) + [99])
+    with pytest.raises(InvalidArgumentError):
+        m.allocate("c", 1, num_cached_tokens=6)  # not a multiple of the hit step
+    table = m.allocate("c", 3, num_cached_tokens=8)
+    assert table is not None and m.group_block_table("c", 1) == [PLACEHOLDER, 1, 3]
+    m.check_integrity()
+
+
+def test_a_group_block_size_that_is_not_a_multiple_of_the_chain_block_size_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        HybridKVCacheManager(8, 4, local_groups=[LocalGroup("sliding_window", 4, 8, block_size=6)])
+    with pytest.raises(ConfigError):
+        LocalGroup("sliding_window", 4, 8, block_size=0)
+
+
+# ---------------------------------------------------------------- events
+
+
+def test_every_group_emits_tagged_events_and_the_snapshot_replays_them() -> None:
+    sink = EventSink()
+    m = HybridKVCacheManager(
+        16,
+        B,
+        local_groups=[LocalGroup("sliding_window", 2, 16)],
+        recurrent_groups=[RecurrentGroup(2, 4)],
+        event_sink=sink,
+    )
+    m.add_sequence("a", list(range(7)))
+    m.allocate("a", 7)
+    m.commit("a", 6)  # 3 full blocks; the window keeps the last; a checkpoint at 6
+    m.commit("a", 7)
+    m.take_state_plan()
+    m.state_plan_done()
+    hashes = m.block_hashes("a")
+    stored = [(r.event.group, r.event.group_kind, r.event.block_hashes) for r in sink.drain()]
+    assert stored == [
+        (0, "full", tuple(hashes)),
+        (1, "sliding_window", tuple(hashes)),
+        (2, "recurrent", (hashes[2],)),
+    ]
+    snapshot = m.snapshot_events()
+    assert {(e.group, e.block_hashes[-1], e.parent_hash) for e in snapshot} == {
+        (0, hashes[2], None),
+        (1, hashes[2], None),
+        (2, hashes[2], hashes[1]),
+    }
+    m.free("a")
+    m._locals[0].index.evict(1)  # the window group's oldest released block goes
+    (removed,) = sink.drain()
+    assert (removed.event.group, removed.event.group_kind, removed.event.block_hashes) == (
+        1,
+        "sliding_window",
+        (hashes[0],),
+    )

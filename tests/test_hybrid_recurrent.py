@@ -208,3 +208,18 @@ def test_recurrent_queries_and_configuration_errors() -> None:
         with pytest.raises(ConfigError):
             HybridKVCacheManager(8, B, **groups)
     assert RecurrentGroup(3, 5).num_states == 8
+
+
+def test_state_plan_done_makes_the_checkpoints_findable_at_once() -> None:
+    m = manager(slots=3)
+    prefill(m, "a", list(range(10)), 8)
+    assert m.take_state_plan() == [StateCopy(1, None, 0), StateCopy(1, 0, 3)]
+    m.add_sequence("b", list(range(10)))
+    assert m.lookup("b").device == 0  # handed out, not said to have run
+    m.state_plan_done()
+    assert m.lookup("b").device == 8
+    assert m.group_pool(1).is_idle(0)
+    m.state_plan_done()  # harmless twice, and before the next take
+    assert m.take_state_plan() == []
+    assert m.lookup("b").device == 8
+    m.check_integrity()

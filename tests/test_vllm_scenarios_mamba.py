@@ -599,12 +599,6 @@ def test_reset_prefix_cache_mamba() -> None:
     assert m.match(prompt(4, [1])).device == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvblocks bug: reset_prefix_cache succeeds while the plan handed out last still restores from a "
-    "checkpoint (_Recurrent.busy ignores held_inflight); index.clear() skips that held checkpoint, so it "
-    "stays cached across the reset, blocks the re-save of its boundary and is restored later (stale state)",
-)
 def test_reset_prefix_cache_mamba_restore_in_flight() -> None:
     """vLLM ``test_reset_prefix_cache``'s contract (a reset that succeeds leaves nothing cached) when the last
     handed-out plan restores a checkpoint: after the reset, recomputing the prompt must save a new state at

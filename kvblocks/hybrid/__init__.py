@@ -48,6 +48,7 @@ __all__ = [
     "StateCopy",
     "StatePool",
     "StateTensor",
+    "apply_state_plan",
     "held_blocks",
     "hit_step",
     "hybrid_preset",
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 
-_TORCH_BACKED = frozenset({"HybridCaches", "StatePool"})
+_TORCH_BACKED = frozenset({"HybridCaches", "StatePool", "apply_state_plan"})
 
 
 def __getattr__(name: str) -> Any:

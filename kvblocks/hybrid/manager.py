@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from kvblocks.config import CacheConfig
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, StaleLookupError
-from kvblocks.events import EventSink
+from kvblocks.events import BlockStored, EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
 from kvblocks.hybrid.block_index import FlatBlockIndex
 from kvblocks.hybrid.hits import GroupHitRule, longest_common_hit, longest_group_hit, needed_blocks
@@ -52,35 +52,78 @@ PLACEHOLDER = -1
 
 @dataclass(frozen=True)
 class LocalGroup:
-    """One sliding-window or chunked-local layer group: its kind, window or chunk (tokens), and pool size."""
+    """One sliding-window or chunked-local layer group: its kind, window or chunk (tokens), and pool size.
+
+    ``block_size`` (None: the manager's) must be a multiple of the manager's block size, the size the
+    hash chain is cut at: a group block of ``r`` chain blocks is cached under the hash of its last one::
+
+        manager block size 4, group block size 8 (r = 2)
+        chain hashes     h0   h1   h2   h3          tokens 0..15
+        group blocks     [ b0: h1 ] [ b1: h3 ]
+    """
 
     kind: str
     span: int
     num_blocks: int
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("sliding_window", "chunked_local"):
             raise ConfigError(f"a local group is 'sliding_window' or 'chunked_local', got {self.kind!r}")
-        for what in ("span", "num_blocks"):
+        for what in ("span", "num_blocks", "block_size"):
             value = getattr(self, what)
+            if what == "block_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"a local group's {what} must be a positive int, got {value!r}")
+
+
+class _EveryNth(Sequence[BlockHash]):
+    """Chain hashes ``r - 1, 2r - 1, ...``: the keys of a group whose blocks are ``r`` chain blocks long."""
+
+    __slots__ = ("_hashes", "_ratio")
+
+    def __init__(self, hashes: Sequence[BlockHash], ratio: int) -> None:
+        self._hashes = hashes
+        self._ratio = ratio
+
+    def __len__(self) -> int:
+        return len(self._hashes) // self._ratio
+
+    def __getitem__(self, position: int) -> BlockHash:  # type: ignore[override]
+        if position < 0:
+            raise IndexError(position)  # only the manager reads it, with group positions >= 0
+        return self._hashes[(position + 1) * self._ratio - 1]
 
 
 class _Local:
     """A local group's state: its rule, pool, index and the tables of admitted sequences."""
 
-    __slots__ = ("block_size", "index", "pool", "released", "rule", "sliding", "span", "tables")
+    __slots__ = ("block_size", "index", "pool", "ratio", "released", "rule", "sliding", "span", "tables")
 
-    def __init__(self, group: LocalGroup, block_size: int) -> None:
+    def __init__(self, group: LocalGroup, chain_block_size: int, number: int, events: EventSink | None) -> None:
+        block_size = group.block_size or chain_block_size
+        if block_size % chain_block_size:
+            raise ConfigError(
+                f"a local group's block_size {block_size} must be a multiple of the manager's {chain_block_size}"
+            )
         self.rule = GroupHitRule(group.kind, block_size, group.span)  # type: ignore[arg-type]
         self.sliding = group.kind == "sliding_window"
         self.span = group.span
         self.block_size = block_size
+        self.ratio = block_size // chain_block_size  # chain blocks per group block
         self.pool = BlockPool(group.num_blocks)
-        self.index = FlatBlockIndex(self.pool)
+        self.index = FlatBlockIndex(self.pool, events=events, group=number, group_kind=group.kind)
         self.tables: dict[int, list[int]] = {}  # id(_Sequence) -> table
         self.released: dict[int, int] = {}  # id(_Sequence) -> leading positions already released
+
+    def keys(self, hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
+        """The group's block keys: position ``p`` -> the chain hash its block ends with."""
+        return hashes if self.ratio == 1 else _EveryNth(hashes, self.ratio)
+
+    def blocks_for(self, chain_blocks: int) -> int:
+        """The group's table length when the full-attention table has ``chain_blocks`` blocks."""
+        return -(-chain_blocks // self.ratio)
 
     def first_needed(self, next_token: int) -> int:
         """The first block position any token from ``next_token`` on attends to (its window's or chunk's start)."""
@@ -114,6 +157,8 @@ class HybridKVCacheManager(KVCacheManager):
     >>> m.group_block_table("a", 1)
     [-1, -1, -1, 3, 4]
     """
+
+    _tree_group = (0, "full")
 
     def __init__(
         self,
@@ -167,10 +212,26 @@ class HybridKVCacheManager(KVCacheManager):
         if self._drop_last:
             raise ConfigError("drop_last_matched_block is not supported with hybrid groups yet")
         size = self._block_size
-        self._locals = [_Local(g, size) for g in locals_]
+        events = self._tree.events
+        self._locals = [_Local(g, size, number, events) for number, g in enumerate(locals_, 1)]
         first = 1 + len(locals_)
-        self._recurrents = [_Recurrent(g, first + i, size) for i, g in enumerate(recurrents)]
+        self._recurrents = [_Recurrent(g, first + i, size, events) for i, g in enumerate(recurrents)]
         self._kinds = ("full", *(g.kind for g in locals_), *("recurrent" for _ in recurrents))
+        self._hit_step = math.lcm(size, *(g.block_size for g in self._locals), *(r.step for r in self._recurrents))
+
+    @property
+    def hit_step(self) -> int:
+        """Every hit is a multiple of this many tokens: each group's block size and checkpoint spacing divide it."""
+        return self._hit_step
+
+    def _expected_hit(self, num_cached_tokens: object) -> int | None:
+        hit = super()._expected_hit(num_cached_tokens)
+        if hit is not None and hit * self._block_size % self._hit_step:
+            raise InvalidArgumentError(
+                f"num_cached_tokens must be a multiple of {self._hit_step} (every group's block boundary and "
+                f"checkpoint spacing), got {hit * self._block_size}"
+            )
+        return hit
 
     # ------------------------------------------------------------------ queries
 
@@ -243,6 +304,16 @@ class HybridKVCacheManager(KVCacheManager):
             plan += recurrent.take_plan()
         return plan
 
+    def state_plan_done(self) -> None:
+        """Say that the plan :meth:`take_state_plan` handed out last has run, so that its checkpoints are
+        findable at once (the next :meth:`take_state_plan` says it too; calling both is harmless).
+
+        Without this call a checkpoint saved by the plan of step ``t`` is first findable by the admissions
+        after the next ``take_state_plan``: a step later than it could be.
+        """
+        for recurrent in self._recurrents:
+            recurrent.plan_ran()
+
     @property
     def checkpoints_skipped(self) -> int:
         """Checkpoints not taken because every checkpoint of the group was being written or restored from."""
@@ -274,9 +345,10 @@ class HybridKVCacheManager(KVCacheManager):
         locals_ = self._locals
         if len(locals_) == 1 and not self._recurrents:  # one local group: its answer below the run is the fixed point
             local = locals_[0]
-            return longest_group_hit(local.rule, run * size, size, _indexed(local.index, hashes)) // size
+            keys = local.keys(hashes)
+            return longest_group_hit(local.rule, run * size, local.block_size, _indexed(local.index, keys)) // size
         rules = [local.rule for local in locals_]
-        answers = [_indexed(local.index, hashes) for local in locals_]
+        answers = [_indexed(local.index, local.keys(hashes)) for local in locals_]
         for recurrent in self._recurrents:
             rules.append(recurrent.rule)
             answers.append(_checkpointed(recurrent, hashes))
@@ -297,12 +369,16 @@ class HybridKVCacheManager(KVCacheManager):
         s = self._get(seq_id)
         size = self._block_size
         if s.table is not None:
-            need = (s.num_covered + num_new_tokens + num_lookahead_tokens + size - 1) // size - len(s.table)
-            return max(short, *(need - local.pool.num_free for local in self._locals), 0)
+            total = (s.num_covered + num_new_tokens + num_lookahead_tokens + size - 1) // size
+            for local in self._locals:
+                need = local.blocks_for(total) - len(local.tables[id(s)])
+                short = max(short, need - local.pool.num_free)
+            return max(short, 0)
         hit = self._hit_blocks(s)
-        need = (hit * size + num_new_tokens + num_lookahead_tokens + size - 1) // size - hit
+        total = (hit * size + num_new_tokens + num_lookahead_tokens + size - 1) // size
         for local in self._locals:
             kept = self._local_hit(local, s, hit) or []
+            need = local.blocks_for(total) - hit // local.ratio
             short = max(short, need - (local.pool.num_free - local.pool.count_idle(kept)))
         if any(not r.free_slots for r in self._recurrents):
             short = max(short, 1)  # no running slot: counted as one block short, so preempting one sequence helps
@@ -311,9 +387,9 @@ class HybridKVCacheManager(KVCacheManager):
     def _local_hit(self, local: _Local, s: _Sequence, hit: int) -> list[int] | None:
         """The blocks of ``local`` a hit of ``hit`` blocks keeps (those its window needs there), or None
         when the group does not hold them all."""
-        hashes = s.content.hashes
+        keys = local.keys(s.content.hashes)
         block_of = local.index.block_of
-        kept = [block_of(hashes[p]) for p in needed_blocks(local.rule, hit * self._block_size)]
+        kept = [block_of(keys[p]) for p in needed_blocks(local.rule, hit * self._block_size)]
         return None if None in kept else kept  # type: ignore[return-value]
 
     def _admit_beside(self, seq_id: Hashable, s: _Sequence, hits: int, need: int) -> bool:
@@ -330,35 +406,42 @@ class HybridKVCacheManager(KVCacheManager):
         if not all(slots):
             return False
         kept: list[list[int]] = found  # type: ignore[assignment]
+        total = hits + need
         for local, blocks in zip(self._locals, kept, strict=True):
-            if need > local.pool.num_free - local.pool.count_idle(blocks):
+            if local.blocks_for(total) - hits // local.ratio > local.pool.num_free - local.pool.count_idle(blocks):
                 return False
         for recurrent in self._recurrents:
             recurrent.admit(id(s), hashes, hit_tokens)
         for local, blocks in zip(self._locals, kept, strict=True):
             local.pool._acquire_valid(blocks)
-            first = hits - len(blocks)
+            cached = hits // local.ratio  # a hit ends on a boundary of every group (hit_step)
+            first = cached - len(blocks)
             table = [PLACEHOLDER] * first + blocks
-            if need:
-                table += local.take(need)
+            new = local.blocks_for(total) - cached
+            if new:
+                table += local.take(new)
             local.tables[id(s)] = table
             local.released[id(s)] = first
         self._watch(s, hits * self._block_size)
         return True
 
-    def _free_for_growth(self) -> int:
-        return min([self._pool.num_free, *(local.pool.num_free for local in self._locals)])
+    def _room_to_grow(self, s: _Sequence, need: int) -> bool:
+        if need > self._pool.num_free:
+            return False
+        total = len(s.table) + need  # type: ignore[arg-type]
+        key = id(s)
+        return all(local.blocks_for(total) - len(local.tables[key]) <= local.pool.num_free for local in self._locals)
 
     def _grow(self, s: _Sequence, covered: int, lookahead: int) -> bool:
-        before = len(s.table or ())
         if not super()._grow(s, covered, lookahead):
             return False
-        after = len(s.table)  # type: ignore[arg-type]
+        total = len(s.table)  # type: ignore[arg-type]
         for local in self._locals:
             table = local.tables[id(s)]
-            if after > before:
-                table += local.take(after - before)
-            elif after < before:  # a smaller lookahead: the surplus tail goes back, as in the full table
+            after = local.blocks_for(total)
+            if after > len(table):
+                table += local.take(after - len(table))
+            elif after < len(table):  # a smaller lookahead: the surplus tail goes back, as in the full table
                 surplus = table[after:]
                 del table[after:]
                 local.pool._release_valid(reversed(surplus))
@@ -368,7 +451,8 @@ class HybridKVCacheManager(KVCacheManager):
 
     def _commit(self, s: _Sequence, n: int) -> None:
         size = self._block_size
-        start = s.num_committed // size
+        before = s.num_committed
+        start = before // size
         full = n // size
         if full > start or n > s.num_covered:
             super()._commit(s, n)
@@ -380,8 +464,10 @@ class HybridKVCacheManager(KVCacheManager):
                 recurrent.committed(key, s.content.hashes, n)
         for local in self._locals:
             table = local.tables[key]
-            if full > start and self._caching:
-                local.index.insert_run(s.content.hashes, table, start, full)  # a duplicate stays private
+            if full > start and self._caching:  # a duplicate stays private; released positions are never indexed
+                group_size = local.block_size
+                first_new = max(before // group_size, local.released[key])
+                local.index.insert_run(local.keys(s.content.hashes), table, first_new, n // group_size)
             done = local.released[key]
             first = local.first_needed(n)
             if first > done:  # release what no token from n on attends to (cached if committed)
@@ -415,7 +501,26 @@ class HybridKVCacheManager(KVCacheManager):
             recurrent.index.clear()
         return True
 
+    # ------------------------------------------------------------------ events
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """Every group's cached blocks as tagged ``BlockStored`` events (for an ``EventPublisher`` snapshot).
+
+        Needs the manager's ``event_sink`` (a local group records chain parents only with one).
+        """
+        events = self._tree.snapshot_events()
+        for local in self._locals:
+            events += local.index.snapshot_events()
+        for recurrent in self._recurrents:
+            events += recurrent.index.snapshot_events()
+        return events
+
     # ------------------------------------------------------------------ checks
+
+    def _window_tokens(self, s: _Sequence) -> int:
+        """The token the windows of ``s`` are placed at: its committed line (a decode node receiving a
+        prompt holds the window at the prompt's end before it commits it)."""
+        return s.num_committed
 
     def check_integrity(self) -> None:
         """The base checks, and per local group: pool and index agree, references equal the tables,
@@ -430,9 +535,9 @@ class HybridKVCacheManager(KVCacheManager):
                 raise IntegrityError(f"group {number} has tables for other sequences than the admitted ones")
             for key, table in local.tables.items():
                 seq_id, s = live[key]
-                if len(table) != len(s.table):  # type: ignore[arg-type]
+                if len(table) != local.blocks_for(len(s.table)):  # type: ignore[arg-type]
                     raise IntegrityError(f"group {number}: {seq_id!r}'s table has {len(table)} positions")
-                first = local.first_needed(s.num_committed)
+                first = local.first_needed(self._window_tokens(s))
                 for position, block in enumerate(table):
                     if block == PLACEHOLDER:
                         if position >= first:

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvblocks.errors import ConfigError, IntegrityError
+from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.hybrid.block_index import FlatBlockIndex
 from kvblocks.hybrid.hits import GroupHitRule
@@ -103,7 +104,7 @@ class _Recurrent:
         "step",
     )
 
-    def __init__(self, group: RecurrentGroup, number: int, block_size: int) -> None:
+    def __init__(self, group: RecurrentGroup, number: int, block_size: int, events: EventSink | None) -> None:
         self.number = number  # the group's index in the manager
         self.rule = GroupHitRule("recurrent")
         self.block_size = block_size
@@ -113,11 +114,11 @@ class _Recurrent:
         self.free_slots = list(range(group.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.slots: dict[int, int] = {}  # id(_Sequence) -> its running slot
         self.pool = BlockPool(group.num_checkpoints)
-        self.index = FlatBlockIndex(self.pool)
+        self.index = FlatBlockIndex(self.pool, events=events, group=number, group_kind="recurrent")
         self.ops: list[StateCopy] = []  # the plan being built
-        self.pending: dict[BlockHash, int] = {}  # saves in `ops`: hash -> checkpoint
+        self.pending: dict[BlockHash, tuple[int, BlockHash | None]] = {}  # saves in `ops`: hash -> checkpoint, parent
         self.held: list[int] = []  # restore sources in `ops`
-        self.inflight: dict[BlockHash, int] = {}  # saves of the plan handed out last
+        self.inflight: dict[BlockHash, tuple[int, BlockHash | None]] = {}  # saves of the plan handed out last
         self.held_inflight: list[int] = []  # restore sources of the plan handed out last
         self.skipped = 0  # checkpoints not taken because every checkpoint was held
 
@@ -157,7 +158,8 @@ class _Recurrent:
         """The sequence's running state is at token ``n``: plan a checkpoint if ``n`` is a checkpoint boundary."""
         if n <= 0 or n % self.step:
             return
-        h = hashes[n // self.block_size - 1]
+        position = n // self.block_size - 1
+        h = hashes[position]
         if h in self.index._block_of or h in self.pending or h in self.inflight:
             return
         pool = self.pool
@@ -165,7 +167,7 @@ class _Recurrent:
             self.skipped += 1  # every checkpoint is being written or restored from: skip this one
             return
         checkpoint = pool.take_fresh(1)[0]
-        self.pending[h] = checkpoint
+        self.pending[h] = (checkpoint, hashes[position - 1] if position else None)
         self.ops.append(StateCopy(self.number, self.slots[key], self.state_id(checkpoint)))
 
     def release(self, key: int) -> None:
@@ -174,13 +176,19 @@ class _Recurrent:
 
     # ------------------------------------------------------------------ the plan
 
-    def take_plan(self) -> list[StateCopy]:
-        """Hand out the plan built since the last call; the plan handed out then has run: its saves are findable."""
+    def plan_ran(self) -> None:
+        """The plan handed out last has run: its saves become findable, its holds are released."""
         pool = self.pool
-        for h, checkpoint in self.inflight.items():
-            self.index.insert(h, checkpoint)
-        pool._release_valid(self.inflight.values())
+        for h, (checkpoint, parent) in self.inflight.items():
+            self.index.insert(h, checkpoint, parent_hash=parent)
+        pool._release_valid(checkpoint for checkpoint, _ in self.inflight.values())
         pool._release_valid(self.held_inflight)
+        self.inflight = {}
+        self.held_inflight = []
+
+    def take_plan(self) -> list[StateCopy]:
+        """Hand out the plan built since the last call; the plan handed out then has run (see :meth:`plan_ran`)."""
+        self.plan_ran()
         self.inflight, self.pending = self.pending, {}
         self.held_inflight, self.held = self.held, []
         ops, self.ops = self.ops, []
@@ -188,8 +196,8 @@ class _Recurrent:
 
     @property
     def busy(self) -> bool:
-        """Whether a plan still has saves or restores that have not run."""
-        return bool(self.ops or self.inflight)
+        """Whether a plan still has saves or restores not known to have run (their checkpoints are held)."""
+        return bool(self.ops or self.inflight or self.held_inflight)
 
     def check_integrity(self, live: set[int]) -> None:
         number = self.number
@@ -202,7 +210,8 @@ class _Recurrent:
         pool.check_integrity()
         self.index.check_integrity()
         expected = [0] * pool.num_blocks
-        for checkpoint in [*self.pending.values(), *self.inflight.values(), *self.held, *self.held_inflight]:
+        saving = [checkpoint for checkpoint, _ in (*self.pending.values(), *self.inflight.values())]
+        for checkpoint in [*saving, *self.held, *self.held_inflight]:
             expected[checkpoint] += 1
         for checkpoint in range(pool.num_blocks):
             if pool.ref_count(checkpoint) != expected[checkpoint]:

@@ -24,6 +24,7 @@ from kvblocks import (
     PrefillManager,
 )
 from kvblocks.disagg import GROUPS_HANDOFF_VERSION, HandoffGroup
+from kvblocks.errors import ConfigError
 from kvblocks.hybrid import PLACEHOLDER, HybridKVCacheManager, LocalGroup
 from kvblocks.hybrid.disagg import HybridDecodeManager, HybridPrefillManager
 from tests.conftest import manager_snapshot
@@ -511,3 +512,15 @@ def test_random_prompts_and_windows_hand_off_exactly_the_window(
         decode_steps(d, de, i, tokens, 3)
         d.free(i)
         d.check_integrity()
+
+
+def test_a_local_group_of_another_block_size_cannot_be_handed_off() -> None:
+    wide = [LocalGroup("sliding_window", span=6, num_blocks=16, block_size=8)]
+    p = HybridPrefillManager(16, 4, local_groups=wide)
+    p.add_sequence("r", list(range(17)))
+    p.allocate("r", 17)
+    p.commit("r", 17)
+    with pytest.raises(ConfigError):
+        p.finish_prefill("r")
+    assert p.is_admitted("r") and not p.is_transferring("r")
+    p.check_integrity()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvblocks.hybrid.block_index import FlatBlockIndex
+from kvblocks.hybrid.disagg import HybridDecodeManager, HybridPrefillManager
 from kvblocks.hybrid.hits import GroupHitRule, hit_step, longest_common_hit, longest_group_hit, needed_blocks
 from kvblocks.hybrid.layout import (
     ATTENTION_KINDS,
@@ -39,8 +40,10 @@ __all__ = [
     "GroupKind",
     "GroupPlan",
     "HybridCaches",
+    "HybridDecodeManager",
     "HybridKVCacheManager",
     "HybridLayout",
+    "HybridPrefillManager",
     "LocalGroup",
     "MemoryPlan",
     "RecurrentGroup",

@@ -15,13 +15,14 @@ blocks per sliding-window group::
 
 ``accept_handoff`` takes its room in every group or in none (a refusal changes no group), and
 ``receive_done`` caches the prompt's blocks in every group: group 0 all of them, a local group those
-it holds. Recurrent groups cannot be handed off yet (their states would need a transfer of their own).
+it holds. Recurrent groups cannot be handed off yet (their states would need a transfer of their own),
+nor local groups whose block size differs from the manager's.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 from kvblocks.config import CacheConfig
 from kvblocks.disagg import (
@@ -35,7 +36,7 @@ from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, Namespace
 from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup, _Local
-from kvblocks.manager import KVCacheManager, _Sequence
+from kvblocks.manager import _Sequence
 
 __all__ = ["HybridDecodeManager", "HybridPrefillManager"]
 
@@ -45,6 +46,8 @@ def _local_groups(manager: HybridKVCacheManager) -> list[_Local]:
     locals_ = manager._locals
     if manager.num_groups != 1 + len(locals_):
         raise ConfigError("a handoff carries full-attention and local groups only; this layout has recurrent groups")
+    if any(local.ratio != 1 for local in locals_):
+        raise ConfigError("a handoff carries local groups of the manager's block size only")
     return locals_
 
 
@@ -121,7 +124,6 @@ class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
             reserved_blocks=reserved_blocks,
         )
         self._set_role(DisaggConfig(role="decode", reserve_blocks_per_sequence=reserve_blocks_per_sequence))
-        self._landing: _Sequence | None = None
 
     @classmethod
     def from_config(  # type: ignore[override]
@@ -185,72 +187,8 @@ class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
             out.append((table, moves))
         return out
 
-    def receive_done(self, seq_id: Hashable, *, ok: bool = True) -> None:
-        landing = self._seqs.get(seq_id) if ok and seq_id in self._receiving else None
-        self._landing = landing
-        try:
-            super().receive_done(seq_id, ok=ok)
-        finally:
-            self._landing = None
-
-    def _commit(self, s: _Sequence, n: int) -> None:
-        """A received prompt's commit: group 0 caches every block, a local group those it holds (its
-        window at the prompt's end, released up to there already). Other commits: the hybrid rule."""
-        if s is not self._landing:
-            super()._commit(s, n)
-            return
-        start = s.num_committed // self._block_size
-        super(HybridKVCacheManager, self)._commit(s, n)  # the full-attention blocks, as on any node
-        if self._caching:
-            for local in self._locals:
-                begin = max(start, local.released[id(s)])
-                local.index.insert_run(s.content.hashes, local.tables[id(s)], begin, n // self._block_size)
-        self._watch(s, n)
-
-    def check_integrity(self) -> None:
-        """The decode and hybrid checks; a receiving sequence's local tables hold the prompt's windows.
-
-        The hybrid check reads a local table's window from the committed tokens, which for a sequence
-        still receiving its prompt lag behind the window it holds; until that check takes the window's
-        end from a hook, such sequences are checked here and the rest by the hybrid check.
-        """
-        ahead = self._windows_ahead()
-        if not ahead:
-            super().check_integrity()
-            return
-        DecodeManager._check_receiving(self)
-        KVCacheManager.check_integrity(self)
-        self._check_local_tables(ahead)
-
-    def _windows_ahead(self) -> dict[int, int]:
-        """id(s) -> prompt tokens, for receiving sequences whose windows are past their committed ones."""
-        ahead = {}
-        for seq_id in self._receiving:
-            s = self._seqs[seq_id]
-            prompt = s.content.num_tokens
-            if any(local.first_needed(prompt) != local.first_needed(s.num_committed) for local in self._locals):
-                ahead[id(s)] = prompt
-        return ahead
-
-    def _check_local_tables(self, ahead: dict[int, int]) -> None:
-        """Per local group: pool and index sound, references equal the tables, each table as long as the
-        full one and holding a block exactly from its window's first position on."""
-        live = {id(s): (seq_id, s) for seq_id, s in self._seqs.items() if s.table is not None}
-        for number, local in enumerate(self._locals, 1):
-            local.pool.check_integrity()
-            local.index.check_integrity()
-            if set(local.tables) != set(live):
-                raise IntegrityError(f"group {number} has tables for other sequences than the admitted ones")
-            expected = [0] * local.pool.num_blocks
-            for key, table in local.tables.items():
-                seq_id, s = live[key]
-                first = local.first_needed(ahead.get(key, s.num_committed))
-                if len(table) != len(s.table or ()) or any(
-                    (b == PLACEHOLDER) != (p < first) for p, b in enumerate(table)
-                ):
-                    raise IntegrityError(f"group {number}: {seq_id!r}'s table {table} does not hold its window")
-                for block in table[first:]:
-                    expected[block] += 1
-            for block in range(local.pool.num_blocks):
-                if local.pool.ref_count(block) != expected[block]:
-                    raise IntegrityError(f"group {number}: block {block} has {local.pool.ref_count(block)} references")
+    def _window_tokens(self, s: _Sequence) -> int:
+        """A sequence still receiving its prompt holds the windows at the prompt's end already."""
+        if any(self._seqs.get(seq_id) is s for seq_id in self._receiving):
+            return max(s.num_committed, s.content.num_tokens)
+        return s.num_committed

@@ -24,8 +24,9 @@ table whose positions outside its window hold :data:`PLACEHOLDER` once released:
   (:meth:`HybridKVCacheManager.take_state_plan`) and a hit needs a checkpoint exactly at its end.
 
 Groups are numbered 0 (full attention), then the local groups in the order given, then the recurrent
-groups. What is left for later (issue 14): cross-attention groups, different block sizes per group,
-tiers for local groups, and ``drop_last_matched_block``.
+groups. A local group's blocks may be a multiple of the manager's block size (:class:`LocalGroup`).
+Every group's events are tagged with its index and kind. What is left for later (issue 14):
+cross-attention groups, the tiers over hybrid layouts, and ``drop_last_matched_block``.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def test_hybrid_lifecycle_paired(benchmark, eviction: bool) -> None:
         lambda: serve_chat_step(_hybrid(pool), WORKLOAD, CONCURRENCY),
         baseline_name="one full-attention group",
         target=1 / 1.5,
-        rounds=7,
+        rounds=15,  # at 7 the median of one run moved by +-0.04 on a shared 2-core machine; the bar is 0.67
     )
     assert ratio > 0
 

@@ -191,6 +191,16 @@ def test_a_failed_swap_in_stays_a_host_hit_and_leaks_no_device_block(make) -> No
     assert list(m.allocate("c", 13)) is not None and m.num_computed_tokens("c") == 4
 
 
+def test_a_failed_swap_in_drops_the_draft_slots_with_the_rest_of_the_table(make) -> None:
+    m = host_hit_setup(make)
+    table = list(m.allocate("c", 1, num_lookahead_tokens=3))
+    assert len(table) == 5 and m.num_allocated_tokens("c") == 20
+    m.complete_transfers(m.take_transfers(), failed_swap_ins={table[2]})
+    assert list(m.block_table("c")) == table[:2]
+    assert m.num_allocated_tokens("c") == 8  # no draft slot without its block
+    m.check_integrity()
+
+
 def test_blocks_being_copied_into_are_not_reused_when_their_sequence_is_freed(make) -> None:
     m = host_hit_setup(make)
     table = list(m.allocate("c", 1))

@@ -54,6 +54,9 @@ class TierConfig:
     """Tensor-parallel ranks whose shards are stored under their own keys (empty: one unsharded entry)."""
     storage_index_size: int = 1 << 20
     """Block hashes remembered as stored (what ``lookup`` reports without asking the backend)."""
+    group_host_blocks: tuple[int, ...] = ()
+    """A hybrid manager's host blocks per local group, in group order (groups 1, 2, ...); empty: the
+    local groups have no host tier. ``host_policy`` applies to them; storage serves group 0 only."""
 
     def __post_init__(self) -> None:
         _int_at_least(self.num_host_blocks, 0, "num_host_blocks")
@@ -86,6 +89,15 @@ class TierConfig:
         if len(set(ranks)) != len(ranks):
             raise ConfigError(f"ranks must be distinct, got {ranks}")
         object.__setattr__(self, "ranks", ranks)
+        if isinstance(self.group_host_blocks, (str, bytes)):
+            raise ConfigError("group_host_blocks must be a sequence of ints")
+        try:
+            per_group = tuple(self.group_host_blocks)
+        except TypeError:
+            raise ConfigError(f"group_host_blocks must be a sequence of ints, got {self.group_host_blocks!r}") from None
+        for count in per_group:
+            _int_at_least(count, 0, "every group_host_blocks entry")
+        object.__setattr__(self, "group_host_blocks", per_group)
 
     @property
     def host_enabled(self) -> bool:

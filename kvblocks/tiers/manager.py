@@ -125,6 +125,10 @@ class _Plan:
         self.deferred: list[list[int]] = []  # device release orders to run when the plan completes
         self.queued: set[BlockHash] = set()  # hashes with a save in this plan
 
+    def busy(self) -> bool:
+        """Whether completing this plan changes anything (else it is never tracked as in flight)."""
+        return bool(self.saves or self.swap_outs or self.swap_ins or self.deferred)
+
     def frozen(self) -> TransferPlan:
         return TransferPlan(
             self.id,
@@ -198,7 +202,7 @@ class TieredKVCacheManager(KVCacheManager):
         self._storage_write_back = storage and tiers.storage_policy == "write-back"
         self._storage_write_through = storage and tiers.storage_policy == "write-through"
         self._save_on_preempt = tiers.save_on_preempt
-        self._open = _Plan(0)
+        self._open = self._new_plan(0)
         self._inflight: dict[int, _Plan] = {}
         self._admissions: dict[int, _Admission] = {}  # id(_Sequence) -> its pending admission
         self._loads: dict[int, _Admission] = {}  # storage request id -> admission
@@ -521,11 +525,15 @@ class TieredKVCacheManager(KVCacheManager):
 
     # ------------------------------------------------------------------ transfers
 
+    def _new_plan(self, plan_id: int) -> _Plan:
+        """A step's empty plan (a hybrid manager's carries its local groups' copies too)."""
+        return _Plan(plan_id)
+
     def take_transfers(self) -> TransferPlan:
         """The copies this step's scheduling calls planned; run them in order, then :meth:`complete_transfers`."""
         plan = self._open
-        self._open = _Plan(plan.id + 1)
-        if plan.saves or plan.swap_outs or plan.swap_ins or plan.deferred:
+        self._open = self._new_plan(plan.id + 1)
+        if plan.busy():
             self._inflight[plan.id] = plan
         return plan.frozen()
 
@@ -545,19 +553,11 @@ class TieredKVCacheManager(KVCacheManager):
         whose copy failed: a failed swap-in leaves its host block a host hit and the
         sequence computes those tokens; a failed swap-out host block becomes free.
         """
-        if not isinstance(plan, TransferPlan):
-            raise InvalidArgumentError(f"expected a TransferPlan, got {type(plan).__name__}")
-        state = self._inflight.get(plan.id)
-        if state is None:
-            if not plan:
-                return
-            raise InvalidArgumentError(f"transfer plan {plan.id} is unknown or already completed")
         failed_in = set(failed_swap_ins)
         failed_out = set(failed_swap_outs)
-        if not failed_in <= {d for _, d, _ in state.swap_ins}:
-            raise InvalidArgumentError(f"failed_swap_ins {sorted(failed_in)} are not swap-in targets of this plan")
-        if not failed_out <= {h for _, h, _ in state.swap_outs}:
-            raise InvalidArgumentError(f"failed_swap_outs {sorted(failed_out)} are not swap-out targets of this plan")
+        state = self._completing(plan, failed_in, failed_out)
+        if state is None:
+            return
         storage = self._storage
         if saved is not None and state.saves:
             storage.save([save.block_hash for save in state.saves], saved)  # type: ignore[union-attr]  # validates first
@@ -589,6 +589,21 @@ class TieredKVCacheManager(KVCacheManager):
                     self._finish(admission)
         for order in state.deferred:
             self._pool._release_valid(order)
+
+    def _completing(self, plan: TransferPlan, failed_in: set[int], failed_out: set[int]) -> _Plan | None:
+        """The in-flight state of ``plan`` once its failure lists are checked (None: an empty plan). Changes nothing."""
+        if not isinstance(plan, TransferPlan):
+            raise InvalidArgumentError(f"expected a TransferPlan, got {type(plan).__name__}")
+        state = self._inflight.get(plan.id)
+        if state is None:
+            if not plan:
+                return None
+            raise InvalidArgumentError(f"transfer plan {plan.id} is unknown or already completed")
+        if not failed_in <= {d for _, d, _ in state.swap_ins}:
+            raise InvalidArgumentError(f"failed_swap_ins {sorted(failed_in)} are not swap-in targets of this plan")
+        if not failed_out <= {h for _, h, _ in state.swap_outs}:
+            raise InvalidArgumentError(f"failed_swap_outs {sorted(failed_out)} are not swap-out targets of this plan")
+        return state
 
     def poll_loads(self) -> list[LoadResult]:
         """Storage reads that finished (or timed out) since the last poll. Never waits.
@@ -637,18 +652,20 @@ class TieredKVCacheManager(KVCacheManager):
         """Both copies are settled: the usable leading run becomes committed, the rest goes back to the pool."""
         if admission.swaps_ok is None or admission.loads_ok is None:
             return
+        if not self._settled(admission):
+            return
         s = admission.seq
         del self._admissions[id(s)]
         size = self._block_size
-        host_ok = admission.swaps_ok
-        stored_ok = admission.loads_ok if host_ok == len(admission.host_blocks) else 0
-        valid = admission.device + host_ok + stored_ok
+        valid = self._usable_hit(admission)
+        device = min(admission.device, valid)
+        host_ok = min(len(admission.host_blocks), valid - device)
         self._admitted(
             admission.seq_id,
             CachedTokens(
-                device=admission.device * size,
+                device=device * size,
                 host=host_ok * size,
-                storage=stored_ok * size,
+                storage=(valid - device - host_ok) * size,
                 num_prompt_tokens=s.content.num_tokens,
             ),
             admission.readmission,
@@ -657,14 +674,32 @@ class TieredKVCacheManager(KVCacheManager):
         if table is None:
             raise IntegrityError(f"pending admission of {admission.seq_id!r} lost its table")
         if valid < admission.device + len(admission.host_blocks) + admission.num_loads:
-            dropped = table[valid:]
-            del table[valid:]
-            self._pool._release_valid(reversed(dropped))  # never committed: back to the fresh queue
-            s.num_covered = valid * size
+            self._cut_back(s, valid)
         if valid > admission.device:
             KVCacheManager.commit(self, admission.seq_id, valid * size)
             if self._host_write_through or self._storage_write_through:
                 self._committed(s, admission.device, valid)
+
+    def _settled(self, admission: _Admission) -> bool:
+        """Whether every copy of ``admission`` has been reported (it can finish)."""
+        return admission.swaps_ok is not None and admission.loads_ok is not None
+
+    def _usable_hit(self, admission: _Admission) -> int:
+        """The leading blocks of a settled admission that hold their content: the run up to the first failed copy."""
+        host_ok: int = admission.swaps_ok  # type: ignore[assignment]  # settled
+        stored_ok: int = admission.loads_ok if host_ok == len(admission.host_blocks) else 0  # type: ignore[assignment]
+        return admission.device + host_ok + stored_ok
+
+    def _cut_back(self, s: _Sequence, valid: int) -> None:
+        """A copy failed: the table keeps its first ``valid`` blocks, the rest (never committed) go back to the
+        pool and the sequence allocates its remaining tokens again (draft slots included)."""
+        table: list[int] = s.table  # type: ignore[assignment]
+        dropped = table[valid:]
+        del table[valid:]
+        self._pool._release_valid(reversed(dropped))  # never committed: back to the fresh queue
+        s.num_covered = valid * self._block_size
+        s.num_committed = min(s.num_committed, s.num_covered)
+        s.lookahead = 0
 
     # ------------------------------------------------------------------ maintenance
 
@@ -717,6 +752,10 @@ class TieredKVCacheManager(KVCacheManager):
     def check_integrity(self) -> None:
         """Also checks the host tier, the plans and the pending admissions."""
         super().check_integrity()
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        """The host tier, the plans and the pending admissions agree (group 0's part of a hybrid manager)."""
         plans = (self._open, *self._inflight.values())
         host = self._host
         if host is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from kvblocks.hashing import BlockHash
 from kvblocks.manager import BlockTable
 
-__all__ = ["AdmittedTable", "BlockSave", "LoadResult", "TransferPlan"]
+__all__ = ["AdmittedTable", "BlockSave", "GroupTransfers", "LoadResult", "TransferPlan"]
 
 
 class AdmittedTable(BlockTable):
@@ -57,9 +57,32 @@ class BlockSave:
     block_hash: BlockHash
 
 
+@dataclass(frozen=True, slots=True)
+class GroupTransfers:
+    """The host-tier copies of one local layer group of a hybrid manager (its own device and host blocks).
+
+    Block ids index that group's device cache and that group's host cache; run them in the plan's
+    order (every group's swap-outs before its swap-ins).
+    """
+
+    group: int
+    swap_outs: tuple[tuple[int, int], ...] = ()
+    """(device block, host block) pairs of group ``group``."""
+    swap_ins: tuple[tuple[int, int], ...] = ()
+    """(host block, device block) pairs of group ``group``."""
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_outs or self.swap_ins)
+
+
 @dataclass(frozen=True)
 class TransferPlan:
-    """The copies of one step; hand it back with ``complete_transfers`` once they ran."""
+    """The copies of one step; hand it back with ``complete_transfers`` once they ran.
+
+    ``saves``, ``swap_outs`` and ``swap_ins`` are group 0's (the full-attention layers of a hybrid
+    manager; every layer of a plain one). ``groups`` holds a hybrid manager's local groups' copies,
+    one :class:`GroupTransfers` per local group in group order (empty for a plain manager).
+    """
 
     id: int
     saves: tuple[BlockSave, ...] = ()
@@ -67,9 +90,10 @@ class TransferPlan:
     """(device block, host block) pairs."""
     swap_ins: tuple[tuple[int, int], ...] = ()
     """(host block, device block) pairs."""
+    groups: tuple[GroupTransfers, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.saves or self.swap_outs or self.swap_ins)
+        return bool(self.saves or self.swap_outs or self.swap_ins or any(self.groups))
 
 
 @dataclass(frozen=True)

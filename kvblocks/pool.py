@@ -187,7 +187,7 @@ class BlockPool:
         idle = self._idle
         fresh_append = self._fresh.append
         key = self._key
-        now = self.clock()
+        now = None  # the clock is read once, and only when a block turns idle (most releases do not)
         for b in blocks:
             r = ref[b] - 1
             ref[b] = r
@@ -195,6 +195,8 @@ class BlockPool:
                 if key[b] is None:
                     fresh_append(b)
                 else:
+                    if now is None:
+                        now = self.clock()
                     idle[b] = now
 
     def mark_cached(self, block: int, key: object = True) -> None:

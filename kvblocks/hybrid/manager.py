@@ -431,7 +431,11 @@ class HybridKVCacheManager(KVCacheManager):
             return False
         total = len(s.table) + need  # type: ignore[arg-type]
         key = id(s)
-        return all(local.blocks_for(total) - len(local.tables[key]) <= local.pool.num_free for local in self._locals)
+        for local in self._locals:
+            grow = (total if local.ratio == 1 else local.blocks_for(total)) - len(local.tables[key])
+            if grow > local.pool.num_free:
+                return False
+        return True
 
     def _grow(self, s: _Sequence, covered: int, lookahead: int) -> bool:
         if not super()._grow(s, covered, lookahead):
@@ -460,27 +464,35 @@ class HybridKVCacheManager(KVCacheManager):
         else:
             s.num_committed = n  # no block newly full: nothing to cache in any group
         key = id(s)
-        if full > start and self._caching:
+        cache = full > start and self._caching
+        if cache and self._recurrents:
             for recurrent in self._recurrents:
                 recurrent.committed(key, s.content.hashes, n)
         for local in self._locals:
             table = local.tables[key]
-            if full > start and self._caching:  # a duplicate stays private; released positions are never indexed
+            released = local.released
+            done = released[key]
+            if cache:  # a duplicate stays private; released positions are never indexed
                 group_size = local.block_size
-                first_new = max(before // group_size, local.released[key])
-                local.index.insert_run(local.keys(s.content.hashes), table, first_new, n // group_size)
-            done = local.released[key]
+                first_new = before // group_size
+                local.index.insert_run(
+                    local.keys(s.content.hashes), table, first_new if first_new > done else done, n // group_size
+                )
             first = local.first_needed(n)
             if first > done:  # release what no token from n on attends to (cached if committed)
                 leaving = [b for b in table[done:first] if b != PLACEHOLDER]
                 local.pool._release_valid(leaving)  # oldest first: they leave the window in that order
                 table[done:first] = [PLACEHOLDER] * (first - done)
-                local.released[key] = first
+                released[key] = first
         self._watch(s, n)
 
     def _watch(self, s: _Sequence, n: int) -> None:
         """Ask the step to call :meth:`_commit` again when a window may move past a block boundary."""
-        s.watch = min((local.next_move(n) for local in self._locals), default=_NEVER)
+        locals_ = self._locals
+        if len(locals_) == 1:
+            s.watch = locals_[0].next_move(n)
+        else:
+            s.watch = min((local.next_move(n) for local in locals_), default=_NEVER)
 
     def _release(self, s: _Sequence) -> None:
         if s.table is not None:

@@ -381,14 +381,18 @@ class TieredKVCacheManager(KVCacheManager):
         )
         s.view = view
         if num_loads:
-            storage = self._storage
-            request = storage.load(loaded)  # type: ignore[union-attr]
-            admission.load_request = request
-            admission.load_plan = plan.id
-            admission.deadline = time.monotonic() + storage.timeout_s  # type: ignore[union-attr]
-            self._loads[request] = admission
+            self._start_load(admission, loaded)
         self._admissions[id(s)] = admission
         return view
+
+    def _start_load(self, admission: _Admission, hashes: Sequence[BlockHash]) -> None:
+        """Queue the storage read of an admission's stored blocks (reported by :meth:`poll_loads`)."""
+        storage: StorageTier = self._storage  # type: ignore[assignment]
+        request = storage.load(hashes)
+        admission.load_request = request
+        admission.load_plan = self._open.id
+        admission.deadline = time.monotonic() + storage.timeout_s
+        self._loads[request] = admission
 
     def _take(self, count: int) -> list[int]:
         pool = self._pool
@@ -639,7 +643,7 @@ class TieredKVCacheManager(KVCacheManager):
         ok = len(outcome.payloads)
         admission.loads_ok = ok
         payloads = outcome.payloads
-        if admission.swaps_ok is not None and admission.swaps_ok < len(admission.host_blocks):
+        if self._loads_useless(admission):
             payloads = ()  # the run broke before the stored blocks: they are of no use
         start = admission.device + len(admission.host_blocks)
         table = admission.seq.table
@@ -647,6 +651,10 @@ class TieredKVCacheManager(KVCacheManager):
         result = LoadResult(admission.seq_id, blocks, payloads, admission.num_loads, timed_out)
         self._finish(admission)
         return result
+
+    def _loads_useless(self, admission: _Admission) -> bool:
+        """Whether a copy reported already broke the hit before the admission's stored blocks."""
+        return admission.swaps_ok is not None and admission.swaps_ok < len(admission.host_blocks)
 
     def _finish(self, admission: _Admission) -> None:
         """Both copies are settled: the usable leading run becomes committed, the rest goes back to the pool."""

@@ -122,3 +122,18 @@ def test_bad_arguments_raise_config_error() -> None:
         longest_common_hit([GroupHitRule("full", 4)], 8, [])
     with pytest.raises(ConfigError):
         longest_common_hit([GroupHitRule("full", 4)], -1, [lambda _: True])
+
+
+def test_a_recurrent_rule_alone_is_searched_at_the_step_given_not_token_by_token() -> None:
+    asked: list[int] = []
+
+    def checkpoint(hit: int) -> bool:
+        asked.append(hit)
+        return hit == 64
+
+    recurrent = GroupHitRule("recurrent")
+    assert longest_common_hit([recurrent], 32768, [checkpoint], step=16) == 64
+    assert all(h % 16 == 0 for h in asked) and len(asked) <= 32768 // 16 + 1  # one pass, then the fixed point
+    for bad in (0, -16, 6, True, 2.0):
+        with pytest.raises(ConfigError):
+            longest_common_hit([GroupHitRule("full", 4)], 64, [checkpoint], step=bad)  # type: ignore[arg-type]

@@ -60,7 +60,6 @@ def test_configuration_errors() -> None:
     for bad in (
         {"local_groups": []},
         {"local_groups": ["window"]},
-        {"local_groups": [LocalGroup("sliding_window", 4, 8)], "drop_last_matched_block": True},
     ):
         with pytest.raises((ConfigError, TypeError)):
             HybridKVCacheManager(8, B, **bad)
@@ -339,3 +338,24 @@ def test_every_group_emits_tagged_events_and_the_snapshot_replays_them() -> None
         "sliding_window",
         (hashes[0],),
     )
+
+
+def test_drop_last_takes_the_largest_common_hit_below_the_common_hit() -> None:
+    """EAGLE recomputes the last matched block: the hit drops to the next one every group serves."""
+    for drop in (False, True):
+        m = HybridKVCacheManager(
+            16, B, local_groups=[LocalGroup("sliding_window", 3, 16)], drop_last_matched_block=drop
+        )
+        serve(m, "a", list(range(11)))
+        m.free("a")
+        m._locals[0].index.evict(4)  # window blocks 0-3 go: only hits whose window is in blocks 4.. serve
+        m.add_sequence("b", list(range(11)))
+        # hits at 10 (window 8..9: block 4) serve; 8 would need block 3: evicted
+        assert m.lookup("b").device == (0 if drop else 10)
+    m = HybridKVCacheManager(16, B, local_groups=[LocalGroup("sliding_window", 3, 16)], drop_last_matched_block=True)
+    serve(m, "a", list(range(11)))
+    m.add_sequence("b", list(range(11)))
+    assert m.lookup("b").device == 8  # the common hit 10, one block dropped
+    table = m.allocate("b", 3, num_cached_tokens=8)
+    assert table is not None and table.num_cached_tokens == 8
+    m.check_integrity()

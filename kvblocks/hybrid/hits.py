@@ -123,17 +123,24 @@ def longest_group_hit(rule: GroupHitRule, limit: int, step: int, cached: Cached)
     return 0
 
 
-def longest_common_hit(rules: Sequence[GroupHitRule], limit: int, cached: Sequence[Cached]) -> int:
+def longest_common_hit(
+    rules: Sequence[GroupHitRule], limit: int, cached: Sequence[Cached], step: int | None = None
+) -> int:
     """The largest hit at or below ``limit`` tokens that every group serves (see the module docstring).
 
     ``cached[i]`` answers for group ``i``: block positions for attention groups, checkpoint token
-    positions for recurrent ones.
+    positions for recurrent ones. ``step`` (default :func:`hit_step` of the rules) is what hits are
+    multiples of; give it when a group not in ``rules`` (the hash chain's block size, a recurrent
+    group's checkpoint spacing) makes it coarser -- a recurrent rule alone would search token by token.
     """
     if len(rules) != len(cached):
         raise ConfigError(f"{len(rules)} group rules but {len(cached)} cached-block answers")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise ConfigError(f"limit must be an int >= 0 tokens, got {limit!r}")
-    step = hit_step(rules)
+    if step is None:
+        step = hit_step(rules)
+    elif isinstance(step, bool) or not isinstance(step, int) or step <= 0 or step % hit_step(rules):
+        raise ConfigError(f"step must be a positive multiple of every group's block size, got {step!r}")
     hit = (limit // step) * step
     while True:
         lowest = hit

@@ -26,7 +26,7 @@ table whose positions outside its window hold :data:`PLACEHOLDER` once released:
 Groups are numbered 0 (full attention), then the local groups in the order given, then the recurrent
 groups. A local group's blocks may be a multiple of the manager's block size (:class:`LocalGroup`).
 Every group's events are tagged with its index and kind. What is left for later (issue 14):
-cross-attention groups, the tiers over hybrid layouts, and ``drop_last_matched_block``.
+cross-attention groups and the tiers over hybrid layouts.
 """
 
 from __future__ import annotations
@@ -173,6 +173,7 @@ class HybridKVCacheManager(KVCacheManager):
         enable_prefix_caching: bool = True,
         event_sink: EventSink | None = None,
         reserved_blocks: int = 0,
+        drop_last_matched_block: bool = False,
     ) -> None:
         super().__init__(
             num_blocks,
@@ -182,6 +183,7 @@ class HybridKVCacheManager(KVCacheManager):
             enable_prefix_caching=enable_prefix_caching,
             event_sink=event_sink,
             reserved_blocks=reserved_blocks,
+            drop_last_matched_block=drop_last_matched_block,
         )
         self._setup_groups(local_groups, recurrent_groups)
 
@@ -210,8 +212,6 @@ class HybridKVCacheManager(KVCacheManager):
             raise ConfigError("recurrent_groups must hold RecurrentGroup instances")
         if not locals_ and not recurrents:
             raise ConfigError("a hybrid manager needs a local or a recurrent group (else use KVCacheManager)")
-        if self._drop_last:
-            raise ConfigError("drop_last_matched_block is not supported with hybrid groups yet")
         size = self._block_size
         events = self._tree.events
         self._locals = [_Local(g, size, number, events) for number, g in enumerate(locals_, 1)]
@@ -333,7 +333,11 @@ class HybridKVCacheManager(KVCacheManager):
     # ------------------------------------------------------------------ the hit every group serves
 
     def _hit_blocks(self, s: _Sequence) -> int:
-        """How many leading blocks of ``s`` every group can serve now. Pure."""
+        """How many leading blocks of ``s`` every group can serve now. Pure.
+
+        With ``drop_last_matched_block`` the hit is the largest one every group serves below the
+        common hit (the last block's tokens are computed again, as EAGLE needs their hidden states).
+        """
         if not self._caching or s.skip_read:
             return 0
         content = s.content
@@ -343,17 +347,24 @@ class HybridKVCacheManager(KVCacheManager):
         if not run:
             return 0
         size = self._block_size
+        hit = self._common_hit(hashes, run * size)
+        if hit and self._drop_last:
+            hit = self._common_hit(hashes, hit - size)
+        return hit // size
+
+    def _common_hit(self, hashes: Sequence[BlockHash], limit: int) -> int:
+        """The largest hit (tokens) at or below ``limit`` that every group other than full attention serves."""
         locals_ = self._locals
         if len(locals_) == 1 and not self._recurrents:  # one local group: its answer below the run is the fixed point
             local = locals_[0]
             keys = local.keys(hashes)
-            return longest_group_hit(local.rule, run * size, local.block_size, _indexed(local.index, keys)) // size
+            return longest_group_hit(local.rule, limit, self._hit_step, _indexed(local.index, keys))
         rules = [local.rule for local in locals_]
         answers = [_indexed(local.index, local.keys(hashes)) for local in locals_]
         for recurrent in self._recurrents:
             rules.append(recurrent.rule)
             answers.append(_checkpointed(recurrent, hashes))
-        return longest_common_hit(rules, run * size, answers) // size
+        return longest_common_hit(rules, limit, answers, self._hit_step)
 
     def _match_length(self, s: _Sequence) -> int:
         return self._hit_blocks(s)

@@ -586,10 +586,10 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
             first = local.first_needed(tokens)
             end = local.blocks_for(valid)
             leaving = [b for b in table[:first] if b != PLACEHOLDER]
-            dropped = table[end:]
+            dropped = [b for b in reversed(table[end:]) if b != PLACEHOLDER]
             table[:] = [PLACEHOLDER] * first + table[first:end]
             local.pool._release_valid(leaving)
-            local.pool._release_valid(reversed(dropped))
+            local.pool._release_valid(dropped)
             local.released[key] = first
 
     def _finish(self, admission: _Admission) -> None:

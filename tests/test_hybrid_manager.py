@@ -12,6 +12,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 from kvblocks import KVCacheManager, StaleLookupError
 from kvblocks.errors import ConfigError, InvalidArgumentError
 from kvblocks.events import EventSink
+from kvblocks.hybrid.cross import CrossAttentionGroup
 from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup
 from kvblocks.hybrid.recurrent import RecurrentGroup
 
@@ -98,6 +99,7 @@ class HybridMachine(RuleBasedStateMachine):
         checkpoints=st.integers(1, 6),
         every=st.sampled_from([1, 2]),
         ratios=st.tuples(st.sampled_from([1, 2]), st.sampled_from([1, 2])),
+        cross=st.booleans(),
     )
     def setup(
         self,
@@ -110,6 +112,7 @@ class HybridMachine(RuleBasedStateMachine):
         checkpoints: int,
         every: int,
         ratios: tuple[int, int],
+        cross: bool,
     ) -> None:
         self.window = window
         # local groups' blocks are 1 or 2 chain blocks long
@@ -118,11 +121,12 @@ class HybridMachine(RuleBasedStateMachine):
             groups.append(LocalGroup("chunked_local", chunk, blocks, B * ratios[1]))
         self.sizes = [B, *(g.block_size for g in groups)]  # block size per attention group
         recurrents = [RecurrentGroup(slots, checkpoints, every)] if recurrent or locals_ == "none" else []
-        self.m = HybridKVCacheManager(blocks, B, local_groups=groups, recurrent_groups=recurrents)
+        crosses = [CrossAttentionGroup(blocks // 2, 3)] if cross else []
+        self.m = HybridKVCacheManager(blocks, B, local_groups=groups, recurrent_groups=recurrents, cross_groups=crosses)
         self.shadow: list[dict[int, object]] = [{} for _ in range(self.m.num_groups)]
         self.first_recurrent = 1 + len(groups)
         self.states: dict[int, dict[int, tuple[int, ...]]] = {
-            g: {} for g in range(self.first_recurrent, self.m.num_groups)
+            g: {} for g in range(self.first_recurrent, self.first_recurrent + len(recurrents))
         }
         self.prefix_of: dict[object, tuple[int, ...]] = {}  # block hash -> the tokens it ends
         self.ahead: dict[str, int] = {}  # a failed step's forward pass already ran to this many tokens
@@ -150,12 +154,14 @@ class HybridMachine(RuleBasedStateMachine):
     def plan(self) -> None:
         self.run_plan()
 
-    @rule(target=seqs, head=st.integers(0, 2), length=st.integers(1, 14), skip=st.booleans())
-    def add(self, head: int, length: int, skip: bool):
+    @rule(target=seqs, head=st.integers(0, 2), length=st.integers(1, 14), skip=st.booleans(), encoder=st.integers(0, 9))
+    def add(self, head: int, length: int, skip: bool, encoder: int):
         seq = f"s{self.count}"
         self.count += 1
         tokens = [head * 100 + i for i in range(length)]
         self.m.add_sequence(seq, tokens, skip_cache_read=skip and length % 3 == 0)
+        if self.m.group_kinds[-1] == "cross_attention":
+            self.m.set_encoder_tokens(seq, encoder)
         return seq
 
     def tables(self, seq: str) -> list[list[int]]:

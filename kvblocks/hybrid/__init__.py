@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvblocks.hybrid.block_index import FlatBlockIndex
+from kvblocks.hybrid.cross import CrossAttentionGroup
 from kvblocks.hybrid.disagg import HybridDecodeManager, HybridPrefillManager
 from kvblocks.hybrid.hits import GroupHitRule, hit_step, longest_common_hit, longest_group_hit, needed_blocks
 from kvblocks.hybrid.layout import (
@@ -35,6 +36,7 @@ __all__ = [
     "GROUP_KINDS",
     "HYBRID_PRESETS",
     "CacheGroup",
+    "CrossAttentionGroup",
     "FlatBlockIndex",
     "GroupHitRule",
     "GroupKind",

@@ -26,7 +26,8 @@ table whose positions outside its window hold :data:`PLACEHOLDER` once released:
 Groups are numbered 0 (full attention), then the local groups in the order given, then the recurrent
 groups. A local group's blocks may be a multiple of the manager's block size (:class:`LocalGroup`).
 Every group's events are tagged with its index and kind. What is left for later (issue 14):
-cross-attention groups and the tiers over hybrid layouts.
+the tiers over hybrid layouts. Cross-attention groups (:mod:`kvblocks.hybrid.cross`) hold each
+sequence's encoder K/V blocks, never cached; they come after the recurrent groups.
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from kvblocks.config import CacheConfig
-from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, StaleLookupError
+from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, SequenceStateError, StaleLookupError
 from kvblocks.events import BlockStored, EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
 from kvblocks.hybrid.block_index import FlatBlockIndex
+from kvblocks.hybrid.cross import CrossAttentionGroup, _Cross
 from kvblocks.hybrid.hits import GroupHitRule, longest_common_hit, longest_group_hit, needed_blocks
 from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy, _Recurrent
-from kvblocks.manager import _NEVER, KVCacheManager, _Sequence
+from kvblocks.manager import _NEVER, KVCacheManager, _count_arg, _Sequence
 from kvblocks.pool import BlockPool
 
 __all__ = ["PLACEHOLDER", "HybridKVCacheManager", "LocalGroup"]
@@ -168,6 +170,7 @@ class HybridKVCacheManager(KVCacheManager):
         *,
         local_groups: Sequence[LocalGroup] = (),
         recurrent_groups: Sequence[RecurrentGroup] = (),
+        cross_groups: Sequence[CrossAttentionGroup] = (),
         hash_scheme: str = DEFAULT_SCHEME,
         namespace: str | Namespace = "default",
         enable_prefix_caching: bool = True,
@@ -185,7 +188,7 @@ class HybridKVCacheManager(KVCacheManager):
             reserved_blocks=reserved_blocks,
             drop_last_matched_block=drop_last_matched_block,
         )
-        self._setup_groups(local_groups, recurrent_groups)
+        self._setup_groups(local_groups, recurrent_groups, cross_groups)
 
     @classmethod
     def from_config(
@@ -194,30 +197,47 @@ class HybridKVCacheManager(KVCacheManager):
         *,
         local_groups: Sequence[LocalGroup] = (),
         recurrent_groups: Sequence[RecurrentGroup] = (),
+        cross_groups: Sequence[CrossAttentionGroup] = (),
         event_sink: EventSink | None = None,
     ) -> HybridKVCacheManager:
         manager = cls.__new__(cls)
         manager._setup(config, event_sink)
-        manager._setup_groups(local_groups, recurrent_groups)
+        manager._setup_groups(local_groups, recurrent_groups, cross_groups)
         return manager
 
-    def _setup_groups(self, local_groups: Sequence[LocalGroup], recurrent_groups: Sequence[RecurrentGroup]) -> None:
-        if isinstance(local_groups, (str, bytes)) or isinstance(recurrent_groups, (str, bytes)):
-            raise ConfigError("local_groups and recurrent_groups must be sequences of groups")
+    def _setup_groups(
+        self,
+        local_groups: Sequence[LocalGroup],
+        recurrent_groups: Sequence[RecurrentGroup],
+        cross_groups: Sequence[CrossAttentionGroup] = (),
+    ) -> None:
+        given = (local_groups, recurrent_groups, cross_groups)
+        if any(isinstance(groups, (str, bytes)) for groups in given):
+            raise ConfigError("local_groups, recurrent_groups and cross_groups must be sequences of groups")
         locals_ = list(local_groups)
         recurrents = list(recurrent_groups)
-        if not all(isinstance(g, LocalGroup) for g in locals_):
-            raise ConfigError("local_groups must hold LocalGroup instances")
-        if not all(isinstance(g, RecurrentGroup) for g in recurrents):
-            raise ConfigError("recurrent_groups must hold RecurrentGroup instances")
-        if not locals_ and not recurrents:
-            raise ConfigError("a hybrid manager needs a local or a recurrent group (else use KVCacheManager)")
+        crosses = list(cross_groups)
+        for groups, kind in ((locals_, LocalGroup), (recurrents, RecurrentGroup), (crosses, CrossAttentionGroup)):
+            if not all(isinstance(g, kind) for g in groups):
+                raise ConfigError(f"a group list holds something other than {kind.__name__} instances")
+        if not locals_ and not recurrents and not crosses:
+            raise ConfigError(
+                "a hybrid manager needs a local, recurrent or cross-attention group (else KVCacheManager)"
+            )
         size = self._block_size
         events = self._tree.events
         self._locals = [_Local(g, size, number, events) for number, g in enumerate(locals_, 1)]
         first = 1 + len(locals_)
         self._recurrents = [_Recurrent(g, first + i, size, events) for i, g in enumerate(recurrents)]
-        self._kinds = ("full", *(g.kind for g in locals_), *("recurrent" for _ in recurrents))
+        first = 1 + len(locals_) + len(recurrents)
+        self._crosses = [_Cross(g, first + i, size) for i, g in enumerate(crosses)]
+        self._encoder_tokens: dict[int, int] = {}  # id(_Sequence) -> encoder tokens, for sequences with any
+        self._kinds = (
+            "full",
+            *(g.kind for g in locals_),
+            *("recurrent" for _ in recurrents),
+            *("cross_attention" for _ in crosses),
+        )
         self._hit_step = math.lcm(size, *(g.block_size for g in self._locals), *(r.step for r in self._recurrents))
 
     @property
@@ -255,9 +275,11 @@ class HybridKVCacheManager(KVCacheManager):
         number = self._group(group)
         if number == 0:
             return list(s.table or ())
-        if number > len(self._locals):
-            raise InvalidArgumentError(f"group {number} is recurrent: it has a state slot, not a block table")
-        return list(self._locals[number - 1].tables.get(id(s), ()))
+        if number <= len(self._locals):
+            return list(self._locals[number - 1].tables.get(id(s), ()))
+        if self._kinds[number] == "cross_attention":
+            return list(self._cross(number).tables.get(id(s), ()))
+        raise InvalidArgumentError(f"group {number} is recurrent: it has a state slot, not a block table")
 
     def group_pool(self, group: int) -> BlockPool:
         """The block pool of group ``group``: group 0's is :attr:`pool`; a recurrent group's holds its checkpoints."""
@@ -266,7 +288,34 @@ class HybridKVCacheManager(KVCacheManager):
             return self._pool
         if number <= len(self._locals):
             return self._locals[number - 1].pool
+        if self._kinds[number] == "cross_attention":
+            return self._cross(number).pool
         return self._recurrent(number).pool
+
+    def set_encoder_tokens(self, seq_id: Hashable, num_encoder_tokens: int) -> None:
+        """How many encoder outputs ``seq_id``'s cross-attention layers attend to (0 by default).
+
+        Give it before the admission: the cross-attention groups take their blocks then.
+        """
+        s = self._get(seq_id)
+        count = _count_arg(num_encoder_tokens, "num_encoder_tokens")
+        if s.table is not None:
+            raise SequenceStateError(f"sequence {seq_id!r} is admitted: its encoder tokens are fixed until it leaves")
+        if not self._crosses and count:
+            raise InvalidArgumentError("this manager has no cross-attention group")
+        if count:
+            self._encoder_tokens[id(s)] = count
+        else:
+            self._encoder_tokens.pop(id(s), None)
+
+    def free(self, seq_id: Hashable) -> None:
+        s = self._seqs.get(seq_id) if self._crosses else None
+        super().free(seq_id)
+        if s is not None:
+            self._encoder_tokens.pop(id(s), None)
+
+    def _cross(self, number: int) -> _Cross:
+        return self._crosses[number - 1 - len(self._locals) - len(self._recurrents)]
 
     def state_slot(self, seq_id: Hashable, group: int) -> int:
         """The running state id of admitted ``seq_id`` in recurrent group ``group`` (what its forward pass updates)."""
@@ -321,7 +370,7 @@ class HybridKVCacheManager(KVCacheManager):
         return sum(r.skipped for r in self._recurrents)
 
     def _recurrent(self, number: int) -> _Recurrent:
-        if number <= len(self._locals):
+        if self._kinds[number] != "recurrent":
             raise InvalidArgumentError(f"group {number} is {self._kinds[number]!r}, not recurrent")
         return self._recurrents[number - 1 - len(self._locals)]
 
@@ -394,6 +443,9 @@ class HybridKVCacheManager(KVCacheManager):
             short = max(short, need - (local.pool.num_free - local.pool.count_idle(kept)))
         if any(not r.free_slots for r in self._recurrents):
             short = max(short, 1)  # no running slot: counted as one block short, so preempting one sequence helps
+        encoder = self._encoder_tokens.get(id(s), 0)
+        for cross in self._crosses:
+            short = max(short, cross.blocks_for(encoder) - cross.pool.num_free)
         return max(0, short)
 
     def _local_hit(self, local: _Local, s: _Sequence, hit: int) -> list[int] | None:
@@ -417,6 +469,9 @@ class HybridKVCacheManager(KVCacheManager):
             )
         if not all(slots):
             return False
+        encoder = self._encoder_tokens.get(id(s), 0)
+        if any(cross.blocks_for(encoder) > cross.pool.num_free for cross in self._crosses):
+            return False
         kept: list[list[int]] = found  # type: ignore[assignment]
         total = hits + need
         for local, blocks in zip(self._locals, kept, strict=True):
@@ -424,6 +479,8 @@ class HybridKVCacheManager(KVCacheManager):
                 return False
         for recurrent in self._recurrents:
             recurrent.admit(id(s), hashes, hit_tokens)
+        for cross in self._crosses:
+            cross.admit(id(s), encoder)
         for local, blocks in zip(self._locals, kept, strict=True):
             local.pool._acquire_valid(blocks)
             cached = hits // local.ratio  # a hit ends on a boundary of every group (hit_step)
@@ -513,6 +570,8 @@ class HybridKVCacheManager(KVCacheManager):
                 local.pool._release_valid(b for b in reversed(table) if b != PLACEHOLDER)
             for recurrent in self._recurrents:
                 recurrent.release(id(s))
+            for cross in self._crosses:
+                cross.release(id(s))
         super()._release(s)
 
     def reset_prefix_cache(self) -> bool:
@@ -576,6 +635,11 @@ class HybridKVCacheManager(KVCacheManager):
         admitted = {id(s) for s in self._seqs.values() if s.table is not None}
         for recurrent in self._recurrents:
             recurrent.check_integrity(admitted)
+        encoder = {key: self._encoder_tokens.get(key, 0) for key in admitted}
+        for cross in self._crosses:
+            cross.check_integrity(encoder)
+        if not set(self._encoder_tokens) <= {id(s) for s in self._seqs.values()}:
+            raise IntegrityError("encoder token counts are kept for a sequence that left")
 
 
 def _checkpointed(recurrent: _Recurrent, hashes: Sequence[BlockHash]) -> Callable[[int], bool]:

@@ -235,15 +235,22 @@ class FlatBlockIndex:
         if type(count) is not int or count < 0:
             raise InvalidArgumentError(f"cannot evict {count!r} blocks")
         pool = self.pool
-        evicted = list(islice(pool.idle_lru(), count))
+        idle = pool._idle  # the pool's own LRU: evicting is IDLE -> FRESH for each block, inlined on this hot path
+        evicted = list(islice(idle, count))
         removed = removed_hashes if removed_hashes is not None or self._events is None else []
+        hash_of = self._hash_of
+        block_of = self._block_of
+        key = pool._key
+        fresh_append = pool._fresh.append
         for b in evicted:
-            h = self._hash_of[b]
+            h = hash_of[b]
             if h is None:  # pragma: no cover - an idle block is always indexed (check_integrity)
                 raise IntegrityError(f"idle block {b} is not in the index")
-            pool.evict(b)
-            del self._block_of[h]
-            self._hash_of[b] = None
+            del idle[b]
+            key[b] = None
+            fresh_append(b)
+            del block_of[h]
+            hash_of[b] = None
             if removed is not None:
                 removed.append(h)
         self.num_evicted += len(evicted)

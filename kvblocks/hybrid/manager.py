@@ -452,7 +452,7 @@ class HybridKVCacheManager(KVCacheManager):
         """The blocks of ``local`` a hit of ``hit`` blocks keeps (those its window needs there), or None
         when the group does not hold them all."""
         keys = local.keys(s.content.hashes)
-        block_of = local.index.block_of
+        block_of = local.index._block_of.get  # the package's own index, read directly on the admission path
         kept = [block_of(keys[p]) for p in needed_blocks(local.rule, hit * self._block_size)]
         return None if None in kept else kept  # type: ignore[return-value]
 
@@ -564,10 +564,14 @@ class HybridKVCacheManager(KVCacheManager):
 
     def _release(self, s: _Sequence) -> None:
         if s.table is not None:
+            key = id(s)
             for local in self._locals:
-                table = local.tables.pop(id(s))
-                del local.released[id(s)]
-                local.pool._release_valid(b for b in reversed(table) if b != PLACEHOLDER)
+                table = local.tables.pop(key)
+                held = table[local.released.pop(key) :]  # positions before are released (placeholders)
+                if PLACEHOLDER in held:
+                    held = [b for b in held if b != PLACEHOLDER]
+                held.reverse()  # tail first
+                local.pool._release_valid(held)
             for recurrent in self._recurrents:
                 recurrent.release(id(s))
             for cross in self._crosses:

@@ -277,3 +277,181 @@ def test_config_is_checked() -> None:
             local_groups=[LocalGroup("sliding_window", 6, 8)],
             recurrent_groups=[RecurrentGroup(num_slots=2, num_checkpoints=2)],
         )
+
+
+# ---------------------------------------------------------------- the state machine
+
+BASES = [list(range(1000 * i, 1000 * i + 40)) for i in range(2)]
+SIZES = (4, 4, 8)  # group block sizes: full, sliding window 6, chunked local 16 of 8-token blocks
+GARBAGE = "garbage"
+
+
+class HybridTiersMachine(RuleBasedStateMachine):
+    """Scheduling calls, plans run in order (with failed copies), commits; a shadow of every block's content."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = TieredHybridKVCacheManager(
+            14,
+            B,
+            tiers=TierConfig(num_host_blocks=8, group_host_blocks=(6, 4)),
+            local_groups=[
+                LocalGroup("sliding_window", span=6, num_blocks=10),
+                LocalGroup("chunked_local", span=16, num_blocks=6, block_size=8),
+            ],
+        )
+        self.device: list[list[object]] = [[None] * n for n in (14, 10, 6)]
+        self.host: list[list[object]] = [[None] * n for n in (8, 6, 4)]
+        self.plan: object = None
+        self.scheduled = False  # scheduling calls since the last plan was taken: a forward pass waits for it
+        self.next_id = 0
+        self.tokens: dict[int, list[int]] = {}
+        self.all_keys = [set(), set(), set()]  # type: ignore[var-annotated]
+        for base in BASES:
+            hashes = hashes_of(self.m, base)
+            for g in range(3):
+                self.all_keys[g].update(self.keys(g, hashes))
+
+    @staticmethod
+    def keys(g: int, hashes: Sequence[object]) -> list[object]:
+        r = SIZES[g] // B
+        return [hashes[(p + 1) * r - 1] for p in range(len(hashes) // r)]
+
+    def admitted(self, ready: bool) -> list[int]:
+        m = self.m
+        return sorted(s for s in self.tokens if m.is_admitted(s) and (m.is_ready(s) or not ready))
+
+    def _admit(self, seq: int, lookahead: int) -> None:
+        m = self.m
+        self.scheduled = True
+        cached = m.lookup(seq)
+        length = len(self.tokens[seq])
+        table = m.allocate(seq, length - cached.total, num_lookahead_tokens=lookahead, num_cached_tokens=cached.total)
+        if table is not None:
+            assert table.num_cached_tokens == cached.total and m.num_computed_tokens(seq) == cached.device
+
+    @rule(base=st.integers(0, 1), length=st.sampled_from([9, 17, 21, 25, 33]), lookahead=st.integers(0, 2))
+    def add(self, base: int, length: int, lookahead: int) -> None:
+        seq = self.next_id
+        self.next_id += 1
+        self.tokens[seq] = BASES[base][:length]
+        self.m.add_sequence(seq, self.tokens[seq])
+        self._admit(seq, lookahead)
+
+    @rule(base=st.integers(0, 1), length=st.sampled_from([9, 17, 21, 25, 33]), data=st.data())
+    def request(self, base: int, length: int, data: st.DataObject) -> None:
+        """A whole request: admitted, its plan run, computed to its end in up to three steps, freed."""
+        self.add(base, length, 0)
+        seq = self.next_id - 1
+        for _ in range(3):
+            if not self.m.is_admitted(seq):
+                break
+            self.step(data, 1)
+        if self.m.is_admitted(seq) and self.plan is None:
+            self.m.free(seq)
+            del self.tokens[seq]
+
+    @rule(data=st.data())
+    def readmit(self, data: st.DataObject) -> None:
+        waiting = sorted(s for s in self.tokens if not self.m.is_admitted(s))
+        if waiting:
+            self._admit(data.draw(st.sampled_from(waiting)), 0)
+
+    @rule(data=st.data(), preempt=st.booleans())
+    def leave(self, data: st.DataObject, preempt: bool) -> None:
+        seqs = self.admitted(ready=False)
+        if not seqs:
+            return
+        seq = data.draw(st.sampled_from(seqs))
+        self.scheduled = True
+        if preempt:
+            self.m.preempt(seq)
+        else:
+            self.m.free(seq)
+            del self.tokens[seq]
+
+    @rule(data=st.data(), in_flight=st.integers(0, 3))
+    def step(self, data: st.DataObject, in_flight: int) -> None:
+        """Finish the plan in flight, take this step's plan; run it now (then forward passes) or leave it in flight."""
+        if self.plan is not None:
+            self._complete(data)
+        self.plan = self.m.take_transfers()
+        self.scheduled = False
+        if in_flight == 0:
+            return  # in flight while the next scheduling calls come
+        self._complete(data)
+        for seq in self.admitted(ready=True):
+            if not self.scheduled:
+                self._compute(seq, data)
+
+    def _complete(self, data: st.DataObject) -> None:
+        plan, self.plan = self.plan, None
+        moves = [(0, plan.swap_outs, plan.swap_ins)]  # type: ignore[attr-defined]
+        moves += [(t.group, t.swap_outs, t.swap_ins) for t in plan.groups]  # type: ignore[attr-defined]
+        failed_in: dict[int, set[int]] = {}
+        failed_out: dict[int, set[int]] = {}
+        for g, outs, ins in moves:
+            failing = data.draw(st.integers(0, 4)) == 0
+            failed_out[g] = data.draw(st.sets(st.sampled_from([h for _, h in outs]))) if outs and failing else set()
+            failed_in[g] = data.draw(st.sets(st.sampled_from([d for _, d in ins]))) if ins and failing else set()
+            for d, h in outs:
+                self.host[g][h] = GARBAGE if h in failed_out[g] else self.device[g][d]
+        for g, _, ins in moves:
+            for h, d in ins:
+                self.device[g][d] = GARBAGE if d in failed_in[g] else self.host[g][h]
+        self.m.complete_transfers(
+            plan,  # type: ignore[arg-type]
+            failed_swap_ins=failed_in[0],
+            failed_swap_outs=failed_out[0],
+            failed_group_swap_ins={g: failed_in[g] for g in (1, 2)},
+            failed_group_swap_outs={g: failed_out[g] for g in (1, 2)},
+        )
+
+    def _compute(self, seq: int, data: st.DataObject) -> None:
+        """A forward pass of a ready sequence (after the step's plan ran), then its commit."""
+        m = self.m
+        length = len(self.tokens[seq])
+        if m.num_allocated_tokens(seq) < length:  # cut back by a failed copy: allocate the rest again
+            m.allocate(seq, length - m.num_allocated_tokens(seq))
+            self.scheduled = True  # computed in a later step, after the plan this growth added to
+            return
+        done = m.num_computed_tokens(seq)
+        top = min(length, m.num_allocated_tokens(seq))
+        if top <= done:
+            return
+        n = top if data.draw(st.integers(0, 3)) else data.draw(st.integers(done + 1, top))
+        hashes = m.block_hashes(seq)
+        for g in range(3):
+            size = SIZES[g]
+            table = m.group_block_table(seq, g)
+            keys = self.keys(g, hashes)
+            for p in range(done // size, -(-n // size)):
+                assert table[p] != PLACEHOLDER  # every block a computed token writes is held
+                self.device[g][table[p]] = keys[p] if (p + 1) * size <= n else ("partial", seq)
+        m.commit(seq, n)
+
+    @invariant()
+    def consistent(self) -> None:
+        m = self.m
+        m.check_integrity()
+        for seq in self.admitted(ready=True):
+            hashes = m.block_hashes(seq)
+            done = m.num_computed_tokens(seq)
+            for g in range(3):
+                keys = self.keys(g, hashes)
+                for p, b in enumerate(m.group_block_table(seq, g)[: done // SIZES[g]]):
+                    if b != PLACEHOLDER:
+                        assert self.device[g][b] == keys[p], (seq, g, p)
+        for g in range(3):
+            host = m.group_host(g)
+            for key in self.all_keys[g]:
+                b = m.tree.block_of(key) if g == 0 else m._locals[g - 1].index.block_of(key)  # type: ignore[arg-type]
+                if b is not None:
+                    assert self.device[g][b] == key, ("device", g, b)
+                h = host.block_of(key) if host is not None else None  # type: ignore[arg-type]
+                if h is not None:
+                    assert self.host[g][h] == key, ("host", g, h)
+
+
+TestHybridTiersMachine = HybridTiersMachine.TestCase
+TestHybridTiersMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)

@@ -112,8 +112,10 @@ def longest_group_hit(rule: GroupHitRule, limit: int, step: int, cached: Cached)
         return (run * size // step) * step
     h = top
     while h > 0:
-        missing = next((b for b in reversed(needed_blocks(rule, h)) if not cached(b)), None)
-        if missing is None:
+        for missing in reversed(needed_blocks(rule, h)):  # a plain loop: up to W / B calls per hit tried
+            if not cached(missing):
+                break
+        else:
             return h
         if kind == "sliding_window":
             # every hit above block `missing`'s start whose window still reaches it fails too: go below it

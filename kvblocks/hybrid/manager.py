@@ -391,8 +391,10 @@ class HybridKVCacheManager(KVCacheManager):
             return 0
         content = s.content
         hashes = content.hashes
-        limit = self._cacheable_blocks(content.num_tokens)
-        run = self._tree.match_length(hashes, limit)  # full attention serves exactly the hits up to its run
+        return self._hit_within(hashes, self._tree.match_length(hashes, self._cacheable_blocks(content.num_tokens)))
+
+    def _hit_within(self, hashes: Sequence[BlockHash], run: int) -> int:
+        """The hit (blocks) every group serves within full attention's leading ``run`` of cached blocks. Pure."""
         if not run:
             return 0
         size = self._block_size
@@ -406,6 +408,10 @@ class HybridKVCacheManager(KVCacheManager):
         locals_ = self._locals
         if len(locals_) == 1 and not self._recurrents:  # one local group: its answer below the run is the fixed point
             local = locals_[0]
+            if local.ratio == 1 and not limit % self._hit_step:  # the common case first, checked in C:
+                window = needed_blocks(local.rule, limit)  # the group holds the whole window below the limit
+                if all(map(local.index._block_of.__contains__, hashes[window.start : window.stop])):
+                    return limit
             keys = local.keys(hashes)
             return longest_group_hit(local.rule, limit, self._hit_step, _indexed(local.index, keys))
         rules = [local.rule for local in locals_]
@@ -419,8 +425,12 @@ class HybridKVCacheManager(KVCacheManager):
         return self._hit_blocks(s)
 
     def _match(self, s: _Sequence) -> list[int]:
-        hit = self._hit_blocks(s)
-        return self._tree.matched_blocks(s.content.hashes, hit) if hit else []
+        if not self._caching or s.skip_read:
+            return []
+        content = s.content
+        matched = self._tree.matched_blocks(content.hashes, self._cacheable_blocks(content.num_tokens))
+        del matched[self._hit_within(content.hashes, len(matched)) :]  # one walk of the tree, not two
+        return matched
 
     # ------------------------------------------------------------------ admission and growth
 
@@ -451,9 +461,13 @@ class HybridKVCacheManager(KVCacheManager):
     def _local_hit(self, local: _Local, s: _Sequence, hit: int) -> list[int] | None:
         """The blocks of ``local`` a hit of ``hit`` blocks keeps (those its window needs there), or None
         when the group does not hold them all."""
-        keys = local.keys(s.content.hashes)
+        window = needed_blocks(local.rule, hit * self._block_size)
         block_of = local.index._block_of.get  # the package's own index, read directly on the admission path
-        kept = [block_of(keys[p]) for p in needed_blocks(local.rule, hit * self._block_size)]
+        if local.ratio == 1:  # keys are the chain's hashes: one C-level pass over the window
+            kept = list(map(block_of, s.content.hashes[window.start : window.stop]))
+        else:
+            keys = local.keys(s.content.hashes)
+            kept = [block_of(keys[p]) for p in window]
         return None if None in kept else kept  # type: ignore[return-value]
 
     def _admit_beside(self, seq_id: Hashable, s: _Sequence, hits: int, need: int) -> bool:
@@ -548,7 +562,9 @@ class HybridKVCacheManager(KVCacheManager):
                 )
             first = local.first_needed(n)
             if first > done:  # release what no token from n on attends to (cached if committed)
-                leaving = [b for b in table[done:first] if b != PLACEHOLDER]
+                leaving = table[done:first]  # blocks from `done` on (check_integrity), unless a role cut it back
+                if PLACEHOLDER in leaving:
+                    leaving = [b for b in leaving if b != PLACEHOLDER]
                 local.pool._release_valid(leaving)  # oldest first: they leave the window in that order
                 table[done:first] = [PLACEHOLDER] * (first - done)
                 released[key] = first

@@ -12,7 +12,7 @@ from collections.abc import Hashable, Sequence
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvblocks.accounting import CachedTokens
 from kvblocks.errors import ConfigError, InvalidArgumentError, StaleLookupError
@@ -258,6 +258,14 @@ def test_write_through_copies_a_window_groups_blocks_to_host_on_commit() -> None
     m.complete_transfers(plan)
     host = m.group_host(1)
     assert host is not None and all(host.block_of(h) is not None for h in hashes_of(m, A))
+
+
+def test_the_single_cache_executor_refuses_a_hybrid_manager() -> None:
+    pytest.importorskip("torch")
+    from kvblocks.tiers.executor import TransferExecutor
+
+    with pytest.raises(ConfigError):
+        TransferExecutor(make(), None, None)  # type: ignore[arg-type]
 
 
 def test_config_is_checked() -> None:

@@ -38,6 +38,10 @@ class TransferExecutor:
         device_cache: KVCache,
         host_cache: KVCache | None = None,
     ) -> None:
+        if getattr(manager, "num_groups", 1) != 1:  # a plan's groups would be reported done without running
+            raise ConfigError(
+                "TransferExecutor runs one group's copies; a hybrid manager's plan.groups need one cache each"
+            )
         if manager.host is not None:
             if host_cache is None:
                 raise ConfigError("the manager has a host tier: give the host cache")

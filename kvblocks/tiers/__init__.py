@@ -14,7 +14,7 @@ from kvblocks.tiers.manager import TieredKVCacheManager, TierStats
 from kvblocks.tiers.redis_storage import RedisStorage
 from kvblocks.tiers.storage import MemoryStorage, StorageBackend, StorageStats, usable_prefix
 from kvblocks.tiers.storage_tier import StorageTier, StorageTierStats
-from kvblocks.tiers.transfers import AdmittedTable, BlockSave, LoadResult, TransferPlan
+from kvblocks.tiers.transfers import AdmittedTable, BlockSave, GroupTransfers, LoadResult, TransferPlan
 from kvblocks.tiers.writer import AsyncWriter, WriterStats
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "BlockSave",
     "EntryFormat",
     "FileStorage",
+    "GroupTransfers",
     "HostTier",
     "LoadResult",
     "MemoryStorage",

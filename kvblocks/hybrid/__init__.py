@@ -29,6 +29,7 @@ from kvblocks.hybrid.layout import (
 from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup
 from kvblocks.hybrid.presets import HYBRID_PRESETS, hybrid_preset
 from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy
+from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -53,6 +54,7 @@ __all__ = [
     "StateCopy",
     "StatePool",
     "StateTensor",
+    "TieredHybridKVCacheManager",
     "apply_state_plan",
     "held_blocks",
     "hit_step",

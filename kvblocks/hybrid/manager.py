@@ -495,18 +495,22 @@ class HybridKVCacheManager(KVCacheManager):
             recurrent.admit(id(s), hashes, hit_tokens)
         for cross in self._crosses:
             cross.admit(id(s), encoder)
-        for local, blocks in zip(self._locals, kept, strict=True):
+        for number, (local, blocks) in enumerate(zip(self._locals, kept, strict=True)):
             local.pool._acquire_valid(blocks)
             cached = hits // local.ratio  # a hit ends on a boundary of every group (hit_step)
             first = cached - len(blocks)
             table = [PLACEHOLDER] * first + blocks
             new = local.blocks_for(total) - cached
             if new:
-                table += local.take(new)
+                table += self._take_local(number, new)
             local.tables[id(s)] = table
             local.released[id(s)] = first
         self._watch(s, hits * self._block_size)
         return True
+
+    def _take_local(self, index: int, count: int) -> list[int]:
+        """``count`` fresh blocks of ``self._locals[index]``, evicting idle ones (a tiered manager moves them down)."""
+        return self._locals[index].take(count)
 
     def _room_to_grow(self, s: _Sequence, need: int) -> bool:
         if need > self._pool.num_free:
@@ -523,11 +527,11 @@ class HybridKVCacheManager(KVCacheManager):
         if not super()._grow(s, covered, lookahead):
             return False
         total = len(s.table)  # type: ignore[arg-type]
-        for local in self._locals:
+        for number, local in enumerate(self._locals):
             table = local.tables[id(s)]
             after = local.blocks_for(total)
             if after > len(table):
-                table += local.take(after - len(table))
+                table += self._take_local(number, after - len(table))
             elif after < len(table):  # a smaller lookahead: the surplus tail goes back, as in the full table
                 surplus = table[after:]
                 del table[after:]
@@ -625,6 +629,10 @@ class HybridKVCacheManager(KVCacheManager):
         prompt holds the window at the prompt's end before it commits it)."""
         return s.num_committed
 
+    def _count_other_local_holders(self, index: int, expected: list[int]) -> None:
+        """Add references on ``self._locals[index]``'s blocks held by something other than the tables (none here;
+        a tiered manager's in-flight copies)."""
+
     def check_integrity(self) -> None:
         """The base checks, and per local group: pool and index agree, references equal the tables,
         every table is as long as the full one, and no block outside the window is held."""
@@ -649,6 +657,7 @@ class HybridKVCacheManager(KVCacheManager):
                     if position < first:
                         raise IntegrityError(f"group {number}: {seq_id!r} holds position {position} outside its window")
                     expected[block] += 1
+            self._count_other_local_holders(number - 1, expected)
             for block in range(local.pool.num_blocks):
                 if local.pool.ref_count(block) != expected[block]:
                     raise IntegrityError(f"group {number}: block {block} has {local.pool.ref_count(block)} references")

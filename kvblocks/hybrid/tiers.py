@@ -40,7 +40,7 @@ from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
 from kvblocks.hybrid.hits import longest_common_hit, needed_blocks
 from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup, _Local
 from kvblocks.hybrid.recurrent import RecurrentGroup
-from kvblocks.manager import BlockTable, KVCacheManager, _count_arg, _Sequence
+from kvblocks.manager import BlockTable, _count_arg, _Sequence
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.manager import TieredKVCacheManager, _Admission, _Plan
@@ -411,22 +411,6 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         self._open.group_swap_outs[number].append((block, reserved[0], block_hash))  # type: ignore[attr-defined]
         return True
 
-    def _grow(self, s: _Sequence, covered: int, lookahead: int) -> bool:
-        """As the hybrid manager's growth; local blocks are taken through :meth:`_take_local` (write-back)."""
-        if not KVCacheManager._grow(self, s, covered, lookahead):
-            return False
-        total = len(s.table)  # type: ignore[arg-type]
-        for number, local in enumerate(self._locals):
-            table = local.tables[id(s)]
-            after = local.blocks_for(total)
-            if after > len(table):
-                table += self._take_local(number, after - len(table))
-            elif after < len(table):
-                surplus = table[after:]
-                del table[after:]
-                local.pool._release_valid(reversed(surplus))
-        return True
-
     def _window_tokens(self, s: _Sequence) -> int:
         """A pending admission holds its windows at the hit it will have, not at its device prefix."""
         admission = self._admissions.get(id(s))
@@ -619,37 +603,21 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
     def check_integrity(self) -> None:
         """The tiered checks for group 0, and per local group: pool, index, tables (deferred releases
         counted), host tier and the pending copies."""
-        KVCacheManager.check_integrity(self)
-        self._check_tiers()
+        super().check_integrity()  # the tiered checks (group 0), then the hybrid ones (every group's tables)
         plans: list[_HybridPlan] = [self._open, *self._inflight.values()]  # type: ignore[list-item]
         for number, local in enumerate(self._locals):
             self._check_local(number, local, plans)
 
-    def _check_local(self, number: int, local: _Local, plans: list[_HybridPlan]) -> None:
-        group = number + 1
-        local.pool.check_integrity()
-        local.index.check_integrity()
-        expected = [0] * local.pool.num_blocks
-        live = {id(s): (seq_id, s) for seq_id, s in self._seqs.items() if s.table is not None}
-        if set(local.tables) != set(live):
-            raise IntegrityError(f"group {group} has tables for other sequences than the admitted ones")
-        for key, table in local.tables.items():
-            seq_id, s = live[key]
-            if len(table) != local.blocks_for(len(s.table)):  # type: ignore[arg-type]
-                raise IntegrityError(f"group {group}: {seq_id!r}'s table has {len(table)} positions")
-            first = local.first_needed(self._window_tokens(s))
-            for position, block in enumerate(table):
-                if (block == PLACEHOLDER) != (position < first):
-                    raise IntegrityError(f"group {group}: {seq_id!r} position {position} breaks its window")
-                if block != PLACEHOLDER:
-                    expected[block] += 1
-        for plan in plans:
-            for order in plan.group_deferred[number]:
+    def _count_other_local_holders(self, index: int, expected: list[int]) -> None:
+        """Blocks of a local group held for a plan's deferred release (a sequence freed mid-copy)."""
+        for plan in (self._open, *self._inflight.values()):
+            for order in plan.group_deferred[index]:  # type: ignore[attr-defined]
                 for block in order:
                     expected[block] += 1
-        for block in range(local.pool.num_blocks):
-            if local.pool.ref_count(block) != expected[block]:
-                raise IntegrityError(f"group {group}: block {block} has {local.pool.ref_count(block)} references")
+
+    def _check_local(self, number: int, local: _Local, plans: list[_HybridPlan]) -> None:
+        """A local group's host tier and pending copies agree with the plans (its tables: the hybrid check)."""
+        group = number + 1
         host = self._group_hosts[number]
         holders = [0] * (host.pool.num_blocks if host is not None else 0)
         for plan in plans:

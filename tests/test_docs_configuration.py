@@ -30,6 +30,9 @@ DATACLASSES = [
     "kvblocks.disagg.DisaggConfig",
     "kvblocks.routing.RouterConfig",
     "kvblocks.backends.spec.KVCacheSpec",
+    "kvblocks.hybrid.manager.LocalGroup",
+    "kvblocks.hybrid.recurrent.RecurrentGroup",
+    "kvblocks.hybrid.cross.CrossAttentionGroup",
 ]
 CALLABLES = [
     "kvblocks.tiers.FileStorage",

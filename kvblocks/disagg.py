@@ -69,6 +69,7 @@ __all__ = [
     "DecodeManager",
     "DisaggConfig",
     "GROUPS_HANDOFF_VERSION",
+    "HANDOFF_GROUP_KINDS",
     "LOCAL_GROUP_KINDS",
     "HandoffGroup",
     "PrefillHandoff",
@@ -86,6 +87,8 @@ GROUPS_HANDOFF_VERSION = 2
 """The format of a handoff that carries per-group tables: a reader of version 1 only, which would
 ignore them and move the full-attention KV alone, refuses it instead."""
 LOCAL_GROUP_KINDS = ("sliding_window", "chunked_local")
+HANDOFF_GROUP_KINDS = (*LOCAL_GROUP_KINDS, "recurrent")
+"""Kinds of the groups a handoff carries beside full attention: local groups' tables, recurrent groups' states."""
 PLACEHOLDER = -1
 """A local group's entry for a block position the prefill node released (it left the window)."""
 
@@ -133,9 +136,13 @@ def first_held_block(kind: str, span: int, block_size: int, num_tokens: int) -> 
 
 @dataclass(frozen=True)
 class HandoffGroup:
-    """A local group's part of a handoff: its kind, span (window or chunk, tokens) and, per block position
-    of the prompt, the prefill node's block (:data:`PLACEHOLDER` where it was released: the decode node
-    needs only the blocks of the window at the prompt's end)."""
+    """A group's part of a handoff beside full attention.
+
+    A local group: its kind, span (window or chunk, tokens) and, per block position of the prompt, the
+    prefill node's block (:data:`PLACEHOLDER` where it was released: the decode node needs only the
+    blocks of the window at the prompt's end). A recurrent group: kind ``"recurrent"``, span its
+    checkpoint spacing (tokens), and one entry: the prefill node's state id holding the state after the
+    whole prompt (a recurrent state is one per sequence, whatever its length)."""
 
     kind: str
     span: int
@@ -154,15 +161,19 @@ class HandoffGroup:
         return cls(raw["kind"], raw["span"], tuple(blocks))
 
     def validate(self, num_prompt_tokens: int, block_size: int) -> None:
-        """Kind known, span a positive count, one entry per prompt block: a block id exactly where the
-        window at the prompt's end reaches, PLACEHOLDER before it."""
-        if not is_text(self.kind) or self.kind not in LOCAL_GROUP_KINDS:
+        """Kind known, span a positive count; a local group: one entry per prompt block, a block id exactly
+        where the window at the prompt's end reaches, PLACEHOLDER before it; a recurrent group: one state id."""
+        if not is_text(self.kind) or self.kind not in HANDOFF_GROUP_KINDS:
             raise HandoffError(
-                f"handoff group kind must be one of {', '.join(LOCAL_GROUP_KINDS)}, got {brief(self.kind)}"
+                f"handoff group kind must be one of {', '.join(HANDOFF_GROUP_KINDS)}, got {brief(self.kind)}"
             )
         if not _is_wire_count(self.span) or self.span == 0:
             raise HandoffError(f"handoff group span must be a positive int of at most 63 bits, got {brief(self.span)}")
         blocks = self.blocks
+        if self.kind == "recurrent":
+            if type(blocks) is not tuple or len(blocks) != 1 or not _is_wire_count(blocks[0]):
+                raise HandoffError(f"a recurrent handoff group carries one state id (an int >= 0), got {brief(blocks)}")
+            return
         total = -(-num_prompt_tokens // block_size)
         if type(blocks) is not tuple or len(blocks) != total:
             raise HandoffError(f"handoff group has {_length(blocks)} blocks for {total} prompt blocks")

@@ -26,7 +26,9 @@ from kvblocks import (
 from kvblocks.disagg import GROUPS_HANDOFF_VERSION, HandoffGroup
 from kvblocks.errors import ConfigError
 from kvblocks.hybrid import PLACEHOLDER, HybridKVCacheManager, LocalGroup
+from kvblocks.hybrid.cross import CrossAttentionGroup
 from kvblocks.hybrid.disagg import HybridDecodeManager, HybridPrefillManager
+from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy
 from tests.conftest import manager_snapshot
 from tests.test_fuzz_decoders import byte_mutations, handoffs, json_mutations
 
@@ -524,3 +526,91 @@ def test_a_local_group_of_another_block_size_cannot_be_handed_off() -> None:
         p.finish_prefill("r")
     assert p.is_admitted("r") and not p.is_transferring("r")
     p.check_integrity()
+
+
+# ---------------------------------------------------------------- recurrent states
+
+
+def _recurrent_nodes(decode_slots: int = 2, every: int = 1) -> tuple[HybridPrefillManager, HybridDecodeManager]:
+    p = HybridPrefillManager(32, B, local_groups=[WINDOW], recurrent_groups=[RecurrentGroup(2, 4)])
+    d = HybridDecodeManager(32, B, local_groups=[WINDOW], recurrent_groups=[RecurrentGroup(decode_slots, 4, every)])
+    return p, d
+
+
+def _prefilled(p: HybridPrefillManager, seq_id: str, tokens: list[int]) -> PrefillHandoff:
+    p.add_sequence(seq_id, tokens)
+    p.allocate(seq_id, len(tokens))
+    p.commit(seq_id, len(tokens))
+    return p.finish_prefill(seq_id)
+
+
+def test_a_recurrent_state_is_handed_off_as_one_copy_of_the_state_after_the_prompt() -> None:
+    p, d = _recurrent_nodes()
+    p.add_sequence("other", [9] * 5)
+    p.allocate("other", 5)  # takes prefill slot 0: the handed-off sequence runs in slot 1
+    tokens = list(range(17))
+    handoff = _prefilled(p, "r", tokens)
+    assert handoff.groups[-1] == HandoffGroup("recurrent", B, (p.state_slot("r", 2),)) and p.state_slot("r", 2) == 1
+    assert PrefillHandoff.from_bytes(handoff.to_bytes()) == handoff
+    d.take_state_plan()
+    admission = d.accept_handoff(PrefillHandoff.from_bytes(handoff.to_bytes()), tokens)
+    assert admission is not None
+    slot = d.state_slot("r", 2)
+    assert admission.group_tables[2] == (slot,) and admission.group_transfers[2] == ((1, slot),)
+    assert d.take_state_plan() == []  # the state arrives by the transfer: nothing to zero or restore
+    d.check_integrity()
+    p.check_integrity()
+    d.receive_done("r")
+    p.transfer_done("r")
+    assert "r" not in p
+    assert d.step(["r"], [17], [[99]], 3) == []  # decode: commit 17, slots to 20
+    d.append_tokens("r", [100, 101])
+    d.commit("r", 20)  # a checkpoint boundary: the received-then-decoded state is saved
+    assert d.take_state_plan() == [StateCopy(2, slot, 2 + 0)]
+    d.check_integrity()
+
+
+def test_a_decode_node_without_a_free_slot_refuses_and_changes_nothing() -> None:
+    p, d = _recurrent_nodes(decode_slots=1)
+    d.add_sequence("busy", [5] * 6)
+    d.allocate("busy", 6)
+    handoff = _prefilled(p, "r", list(range(17)))
+    before = snapshot_without_recurrent(d)
+    assert d.accept_handoff(handoff, list(range(17))) is None
+    assert snapshot_without_recurrent(d) == before and "r" not in d
+    d.free("busy")
+    assert d.accept_handoff(handoff, list(range(17))) is not None
+    d.check_integrity()
+
+
+def snapshot_without_recurrent(m: HybridKVCacheManager) -> dict[str, Any]:
+    out = manager_snapshot(m)
+    out["window"] = {seq_id: m.group_block_table(seq_id, 1) for seq_id in m._seqs}
+    out["slots"] = list(m._recurrents[0].free_slots)
+    return out
+
+
+def test_recurrent_layouts_must_match_and_recurrent_groups_carry_one_state_id() -> None:
+    p, _ = _recurrent_nodes()
+    handoff = _prefilled(p, "r", list(range(17)))
+    _, other = _recurrent_nodes(every=2)  # checkpoints every 8 tokens: another layout
+    with pytest.raises(HandoffError):
+        other.accept_handoff(handoff, list(range(17)))
+    plain_window = HybridDecodeManager(32, B, local_groups=[WINDOW])
+    with pytest.raises(HandoffError):
+        plain_window.accept_handoff(handoff, list(range(17)))
+    raw = json.loads(handoff.to_bytes())
+    for bad in ([1, 2], [], [-1], ["1"], [True], [2**63]):
+        raw["groups"][-1]["blocks"] = bad
+        with pytest.raises(HandoffError):
+            PrefillHandoff.from_bytes(json.dumps(raw).encode())
+
+
+def test_cross_attention_groups_are_not_handed_off() -> None:
+    p = HybridPrefillManager(16, B, cross_groups=[CrossAttentionGroup(4)])
+    p.add_sequence("r", [1, 2, 3])
+    p.allocate("r", 3)
+    p.commit("r", 3)
+    with pytest.raises(ConfigError):
+        p.finish_prefill("r")
+    assert not p.is_transferring("r")

@@ -15,8 +15,9 @@ blocks per sliding-window group::
 
 ``accept_handoff`` takes its room in every group or in none (a refusal changes no group), and
 ``receive_done`` caches the prompt's blocks in every group: group 0 all of them, a local group those
-it holds. Recurrent groups cannot be handed off yet (their states would need a transfer of their own),
-nor local groups whose block size differs from the manager's.
+it holds. A recurrent group's state after the prompt travels as one state copy (prefill state id ->
+the decode node's new slot). Not handed off: cross-attention groups (the decode node runs the encoder)
+and local groups whose block size differs from the manager's.
 """
 
 from __future__ import annotations
@@ -36,16 +37,17 @@ from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, Namespace
 from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup, _Local
+from kvblocks.hybrid.recurrent import RecurrentGroup
 from kvblocks.manager import _Sequence
 
 __all__ = ["HybridDecodeManager", "HybridPrefillManager"]
 
 
 def _local_groups(manager: HybridKVCacheManager) -> list[_Local]:
-    """The manager's local groups; refuses a layout with groups a handoff cannot carry (recurrent)."""
+    """The manager's local groups; refuses a layout with groups a handoff cannot carry (cross-attention)."""
     locals_ = manager._locals
-    if manager.num_groups != 1 + len(locals_):
-        raise ConfigError("a handoff carries full-attention and local groups only; this layout has recurrent groups")
+    if manager._crosses:
+        raise ConfigError("a handoff does not carry cross-attention groups (the decode node runs the encoder)")
     if any(local.ratio != 1 for local in locals_):
         raise ConfigError("a handoff carries local groups of the manager's block size only")
     return locals_
@@ -66,18 +68,22 @@ class HybridPrefillManager(PrefillManager, HybridKVCacheManager):
 
     def _handoff_groups(self, s: _Sequence, num_blocks: int) -> tuple[HandoffGroup, ...]:
         key = id(s)
-        return tuple(
+        tables = tuple(
             HandoffGroup(_kind(local), local.span, tuple(local.tables[key][:num_blocks]))
             for local in _local_groups(self)
         )
+        states = tuple(HandoffGroup("recurrent", r.step, (r.slots[key],)) for r in self._recurrents)
+        return tables + states
 
     def check_integrity(self) -> None:
-        """Also: a sequence being handed off still holds every local block its handoff names."""
+        """Also: a sequence being handed off still holds every local block and state its handoff names."""
         super().check_integrity()
         for seq_id, handoff in self._transferring.items():
             s = self._seqs[seq_id]
-            for number, (local, group) in enumerate(zip(self._locals, handoff.groups, strict=True), 1):
-                if tuple(local.tables.get(id(s), ())[: len(group.blocks)]) != group.blocks:
+            held: list[tuple[int | None, ...]] = [tuple(local.tables.get(id(s), ())) for local in self._locals]
+            held += [(r.slots.get(id(s)),) for r in self._recurrents]
+            for number, (own, group) in enumerate(zip(held, handoff.groups, strict=True), 1):
+                if own[: len(group.blocks)] != group.blocks:
                     raise IntegrityError(f"sequence {seq_id!r} lost group {number}'s blocks it is transferring")
 
 
@@ -104,7 +110,8 @@ class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
         num_blocks: int,
         block_size: int,
         *,
-        local_groups: Sequence[LocalGroup],
+        local_groups: Sequence[LocalGroup] = (),
+        recurrent_groups: Sequence[RecurrentGroup] = (),
         reserve_blocks_per_sequence: int = 1,
         hash_scheme: str = DEFAULT_SCHEME,
         namespace: str | Namespace = "default",
@@ -117,6 +124,7 @@ class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
             num_blocks,
             block_size,
             local_groups=local_groups,
+            recurrent_groups=recurrent_groups,
             hash_scheme=hash_scheme,
             namespace=namespace,
             enable_prefix_caching=enable_prefix_caching,
@@ -130,7 +138,8 @@ class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
         cls,
         config: CacheConfig,
         *,
-        local_groups: Sequence[LocalGroup],
+        local_groups: Sequence[LocalGroup] = (),
+        recurrent_groups: Sequence[RecurrentGroup] = (),
         disagg: DisaggConfig | None = None,
         event_sink: EventSink | None = None,
     ) -> HybridDecodeManager:
@@ -142,6 +151,7 @@ class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
             config.num_blocks,
             config.block_size,
             local_groups=local_groups,
+            recurrent_groups=recurrent_groups,
             hash_scheme=config.hash_scheme,
             namespace=config.namespace,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -152,13 +162,17 @@ class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
         return manager
 
     def _group_layout(self) -> tuple[tuple[str, int], ...]:
-        return tuple((_kind(local), local.span) for local in _local_groups(self))
+        tables = tuple((_kind(local), local.span) for local in _local_groups(self))
+        return tables + tuple(("recurrent", r.step) for r in self._recurrents)
 
     def _accept_beside(
         self, s: _Sequence, handoff: PrefillHandoff, hits: int, reserve: int
     ) -> list[tuple[list[int], list[tuple[int, int]]]] | None:
         """Every local group's window at the prompt's end: kept from this node's cache below the hit,
-        new (and copied) above it; checked in every group before any takes a block."""
+        new (and copied) above it; every recurrent group's state: a slot, copied from the prefill node's
+        (the state after the whole prompt). Checked in every group before any takes a block or slot."""
+        if any(not recurrent.free_slots for recurrent in self._recurrents):
+            return None
         prompt = handoff.num_prompt_tokens
         total = math.ceil(prompt / self._block_size)
         hashes = s.content.hashes
@@ -173,7 +187,7 @@ class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
         for local, _, found in plans:  # every kept block held before any group takes (and maybe evicts)
             local.pool._acquire_valid(b for b in found if b is not None)
         out: list[tuple[list[int], list[tuple[int, int]]]] = []
-        for (local, first, found), group in zip(plans, handoff.groups, strict=True):
+        for (local, first, found), group in zip(plans, handoff.groups[: len(plans)], strict=True):
             new = iter(local.take(found.count(None)))
             table: list[int] = [PLACEHOLDER] * first
             moves: list[tuple[int, int]] = []
@@ -185,6 +199,9 @@ class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
             local.tables[id(s)] = table
             local.released[id(s)] = first
             out.append((table, moves))
+        for recurrent, group in zip(self._recurrents, handoff.groups[len(plans) :], strict=True):
+            slot = recurrent.receive(id(s))
+            out.append(([slot], [(group.blocks[0], slot)]))
         return out
 
     def _window_tokens(self, s: _Sequence) -> int:

@@ -154,6 +154,12 @@ class _Recurrent:
         else:
             self.ops.append(StateCopy(self.number, None, slot))  # stale bytes of another state look like NaN
 
+    def receive(self, key: int) -> int:
+        """Give a sequence a slot whose state arrives from elsewhere (a prefill node's handoff): no operation."""
+        slot = self.free_slots.pop()
+        self.slots[key] = slot
+        return slot
+
     def committed(self, key: int, hashes: Sequence[BlockHash], n: int) -> None:
         """The sequence's running state is at token ``n``: plan a checkpoint if ``n`` is a checkpoint boundary."""
         if n <= 0 or n % self.step:

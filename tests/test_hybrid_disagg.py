@@ -405,13 +405,16 @@ def test_a_version_2_handoff_needs_groups() -> None:
 
 @st.composite
 def hybrid_handoffs(draw: st.DrawFn) -> PrefillHandoff:
-    """Valid handoffs with one to three local groups of random kinds and spans."""
+    """Valid handoffs with one to three groups of random kinds (local or recurrent) and spans."""
     base = draw(handoffs())
     n, size, total = base.num_prompt_tokens, base.block_size, len(base.source_blocks)
     groups = []
     for _ in range(draw(st.integers(1, 3))):
-        kind = draw(st.sampled_from(["sliding_window", "chunked_local"]))
+        kind = draw(st.sampled_from(["sliding_window", "chunked_local", "recurrent"]))
         span = draw(st.integers(1, 40))
+        if kind == "recurrent":  # one state id
+            groups.append(HandoffGroup(kind, span, (draw(st.integers(0, 2**40)),)))
+            continue
         start = max(0, n - span + 1) if kind == "sliding_window" else n - n % span
         first = start // size
         ids = draw(st.lists(st.integers(0, 2**40), min_size=total - first, max_size=total - first))

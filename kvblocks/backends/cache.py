@@ -78,6 +78,35 @@ class KVCache:
             raise ConfigError("an MLA cache has no V tensor: the latent (key) serves both")
         return value
 
+    def flat_key(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K as ``(num_blocks * block_size, num_kv_heads, head_dim)``: slot ``b * block_size + o``
+        is token ``o`` of block ``b``. A view that aliases the cache, or a :class:`ConfigError`.
+
+        Only a layer-major NHD cache has one: on a block-major cache (the default) ``key(l)`` is strided on
+        blocks, so ``key(l).reshape(-1, H, D)`` silently *copies* and a write into it is lost. Write slots
+        there with :func:`kvblocks.attention.write_kv`, which indexes the 4-D view in place.
+        """
+        return self._flat(self.key(layer), layer, "key")
+
+    def flat_value(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s V as a flat slot view (see :meth:`flat_key`); MLA has no V (:class:`ConfigError`)."""
+        return self._flat(self.value(layer), layer, "value")
+
+    def _flat(self, tensor: torch.Tensor, layer: int, what: str) -> torch.Tensor:
+        spec = self.spec
+        if spec.block_major:
+            raise ConfigError(
+                f"layer {layer}'s {what} of a block-major cache is strided on blocks: a flat slot view would be a "
+                "copy, and writes into it would be lost. Use kvblocks.attention.write_kv, or allocate the cache "
+                "with KVCacheSpec(block_major=False)"
+            )
+        if spec.layout != "NHD":
+            raise ConfigError(
+                f"an {spec.layout} cache keeps a block's tokens apart per head: no flat slot view of layer "
+                f"{layer}'s {what}; use kvblocks.attention.write_kv or an NHD cache"
+            )
+        return tensor.view(self.num_blocks * spec.block_size, *tensor.shape[2:])  # view(): never a copy
+
     def __repr__(self) -> str:
         arrangement = "block-major" if self.spec.block_major else "layer-major"
         return (

@@ -1,0 +1,324 @@
+"""kvblocks as the paged KV cache of real transformers models: the outputs are the model's own.
+
+Tiny models built from configs with random weights (fixed seed, float32, CPU, no downloads).
+The reference is ``model.generate`` (greedy, EOS disabled) with transformers' own cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvblocks.errors import ConfigError, InvalidArgumentError, InvalidTokenError
+from kvblocks.hybrid import HybridKVCacheManager
+from kvblocks.integrations.transformers import ATTENTION_NAME, PagedGenerator
+
+VOCAB = 128
+WINDOW = 6
+SIZES: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+FAMILIES: dict[str, Callable[[], Any]] = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES)),
+    # layer 0 full, layer 1 a sliding window: a hybrid manager with a window group
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    ),
+    # every layer a window smaller than the prompts
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SIZES, sliding_window=WINDOW)),
+    # q/k norms before attention, explicit head_dim
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZES, head_dim=16)),
+    # alternating sliding/full layers, attention logit soft-capping, query_pre_attn_scalar scaling
+    "gemma2": lambda: transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(**SIZES, head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=10)
+    ),
+}
+
+
+@functools.cache
+def model(family: str) -> Any:
+    torch.manual_seed(0)
+    built = FAMILIES[family]().eval()
+    built.generation_config.eos_token_id = None  # EOS disabled: every run makes max_new_tokens tokens
+    return built
+
+
+@functools.lru_cache(maxsize=512)
+def reference(family: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' own greedy generation: the new tokens and the logits each was picked from."""
+    ids = torch.tensor([prompt])
+    out = model(family).generate(
+        ids,
+        attention_mask=torch.ones_like(ids),  # explicit: a prompt may hold the pad token id
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    return out.sequences[0, len(prompt) :].tolist(), torch.stack(out.logits)[:, 0]
+
+
+def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:
+    """Two system prompts (longer than the window), users' turns after them, one conversation continued."""
+    rng = random.Random(seed)
+    system_a = [rng.randrange(VOCAB) for _ in range(13)]
+    system_b = [rng.randrange(VOCAB) for _ in range(9)]
+    user = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))] for _ in range(5)]
+    return [
+        system_a + user[0],
+        system_b + user[1],
+        system_a + user[2],
+        system_a + user[0] + user[3],
+        system_b + user[4],
+    ]
+
+
+def checked(family: str, **kwargs: Any) -> tuple[PagedGenerator, list[int]]:
+    """A generator whose manager is checked after every step; the step count it saw."""
+    steps = [0]
+
+    def after(gen: PagedGenerator) -> None:
+        gen.manager.check_integrity()
+        steps[0] += 1
+
+    return PagedGenerator(model(family), after_step=after, **kwargs), steps
+
+
+def assert_matches_reference(family: str, gen: PagedGenerator, prompts: list[list[int]], outs: list[list[int]]) -> None:
+    for prompt, tokens, logits in zip(prompts, outs, gen.last_logits, strict=True):
+        ref_tokens, ref_logits = reference(family, tuple(prompt), len(tokens))
+        assert tokens == ref_tokens
+        assert torch.allclose(logits, ref_logits, atol=1e-4, rtol=0), float((logits - ref_logits).abs().max())
+
+
+def work(prompts: list[list[int]], max_new_tokens: int) -> int:
+    """Tokens whose K/V a run without any cache hit computes: every prompt token and every new one but the last."""
+    return sum(len(p) + max_new_tokens - 1 for p in prompts)
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_tokens_and_logits_match_generate_with_hits_equal_to_skipped_tokens(family: str) -> None:
+    prompts = shared_prefix_prompts()
+    gen, steps = checked(family, num_blocks=64, block_size=4, max_running=2, max_batch_tokens=16)
+    outs = gen.generate(prompts, max_new_tokens=5)
+    assert_matches_reference(family, gen, prompts, outs)
+    stats = gen.manager.stats
+    assert stats.hit_tokens > 0  # later prompts found the shared system prompts
+    assert gen.computed_tokens == work(prompts, 5) - stats.hit_tokens
+    assert steps[0] > len(prompts)  # batched steps, checked after each
+    assert stats.blocks_in_use == 0 and gen.manager.num_sequences == 0
+    # a second call on the same generator: hits across calls, the same tokens
+    before, hits_before = gen.computed_tokens, stats.hit_tokens
+    again = gen.generate(prompts[:2], max_new_tokens=5)
+    assert again == outs[:2]
+    hits = gen.manager.stats.hit_tokens - hits_before
+    assert hits >= sum(len(p) // 4 * 4 - 4 for p in prompts[:2])  # whole blocks of each prompt (model-dependent)
+    assert gen.computed_tokens - before == work(prompts[:2], 5) - hits
+
+
+def test_the_layer_kinds_pick_the_manager() -> None:
+    assert isinstance(PagedGenerator(model("qwen2"), num_blocks=8, block_size=4).manager, HybridKVCacheManager)
+    assert isinstance(PagedGenerator(model("gemma2"), num_blocks=8, block_size=4).manager, HybridKVCacheManager)
+    for family in ("llama", "mistral", "qwen3"):
+        assert not isinstance(PagedGenerator(model(family), num_blocks=8, block_size=4).manager, HybridKVCacheManager)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_pool_that_holds_one_request_but_not_all_gives_the_same_tokens(family: str) -> None:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(9, 14))] for _ in range(4)]
+    # 6 blocks of 4: one request (at most 14 + 7 tokens) fits, two prefills fit, two decoding ones do not
+    gen, _ = checked(family, num_blocks=6, block_size=4, max_running=4, window_blocks=8)
+    outs = gen.generate(prompts, max_new_tokens=8)
+    assert_matches_reference(family, gen, prompts, outs)
+    assert gen.manager.stats.preemptions > 0  # the pressure made it preempt and recompute
+    assert gen.manager.stats.blocks_in_use == 0
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    st.data(),
+    st.sampled_from(["llama", "qwen2", "mistral"]),
+    st.integers(min_value=6, max_value=24),
+    st.sampled_from([2, 4]),
+    st.integers(min_value=1, max_value=4),
+    st.integers(min_value=3, max_value=24),
+)
+def test_random_arrivals_and_pool_sizes_give_the_models_tokens(
+    data: st.DataObject, family: str, num_blocks: int, block_size: int, max_running: int, max_batch_tokens: int
+) -> None:
+    """Batches of requests over shared prefixes arrive call after call on one generator; any pool that
+    holds one request alone (waiting, preemption, chunked prefill as they come) gives the model's tokens."""
+    pool = shared_prefix_prompts(seed=2)
+    max_new = data.draw(st.integers(min_value=1, max_value=4), label="max_new_tokens")
+    longest = (num_blocks * block_size) - max_new + 1
+    pool = [p for p in pool if len(p) <= longest] or [[5, 6, 7]]
+    gen, _ = checked(
+        family,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_running=max_running,
+        max_batch_tokens=max_batch_tokens,
+        window_blocks=num_blocks,
+    )
+    hits = 0
+    for _ in range(data.draw(st.integers(min_value=1, max_value=3), label="arrivals")):
+        prompts = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=4), label="prompts")
+        before, hits_before = gen.computed_tokens, gen.manager.stats
+        outs = gen.generate(prompts, max_new_tokens=max_new)
+        assert_matches_reference(family, gen, prompts, outs)
+        stats = gen.manager.stats
+        hits = stats.hit_tokens - hits_before.hit_tokens
+        recomputed = gen.computed_tokens - before - (work(prompts, max_new) - hits)
+        # only preempted sequences compute more than their uncached tokens
+        assert recomputed >= 0 and (recomputed == 0 or stats.preemptions > hits_before.preemptions)
+        assert stats.blocks_in_use == 0 and gen.manager.num_sequences == 0
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("prompts", "max_new_tokens", "error"),
+    [
+        ([[1, 2], []], 4, InvalidTokenError),  # an empty prompt
+        ([[1, VOCAB]], 4, InvalidTokenError),  # outside the vocabulary
+        ([[1, -1]], 4, InvalidTokenError),
+        ([[1, True]], 4, InvalidTokenError),
+        ([[1, 2.0]], 4, InvalidTokenError),
+        ([[1, 2]], 0, InvalidArgumentError),
+        ([[1, 2]], 2.5, InvalidArgumentError),
+        ("hello", 4, InvalidArgumentError),
+        (["hello"], 4, InvalidArgumentError),
+        ([[1, 2], 3], 4, InvalidArgumentError),
+        ([[1] * 80], 4, ConfigError),  # more blocks than the pool has
+    ],
+)
+def test_bad_input_raises_before_any_work(prompts: Any, max_new_tokens: Any, error: type[Exception]) -> None:
+    gen = PagedGenerator(model("llama"), num_blocks=16, block_size=4)
+    with pytest.raises(error):
+        gen.generate(prompts, max_new_tokens=max_new_tokens)
+    assert gen.computed_tokens == 0 and gen.manager.num_sequences == 0
+    assert gen.manager.stats.admissions == 0
+    assert model("llama").config._attn_implementation != ATTENTION_NAME
+
+
+def test_unsupported_models_and_settings_are_refused() -> None:
+    with pytest.raises(ConfigError):
+        PagedGenerator(torch.nn.Linear(2, 2), num_blocks=8)
+    with pytest.raises(ConfigError):
+        PagedGenerator(model("llama"), num_blocks=8, max_running=0)
+    torch.manual_seed(0)
+    odd = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
+    odd.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ConfigError, match="linear_attention"):
+        PagedGenerator(odd, num_blocks=8)
+
+
+def test_the_paged_attention_refuses_a_forward_outside_the_generator() -> None:
+    llama = model("llama")
+    previous = llama.config._attn_implementation
+    llama.config._attn_implementation = ATTENTION_NAME
+    try:
+        with pytest.raises(ConfigError, match="PagedGenerator"):
+            llama(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+    finally:
+        llama.config._attn_implementation = previous
+
+
+# ---------------------------------------------------------------------------------------------- canaries
+
+
+@pytest.fixture
+def recorded() -> Any:
+    """An attention implementation that records what each call received and defers to eager attention."""
+    calls: list[dict[str, Any]] = []
+
+    def record(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+        calls.append(
+            {"layer": module.layer_idx, "mask": attention_mask, "query": query.shape, "key": key.shape, **kwargs}
+        )
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, scaling=kwargs["scaling"])
+
+    transformers.AttentionInterface.register("kvblocks_canary", record)
+    yield calls
+
+
+def run_with(family: str, implementation: str, **kwargs: Any) -> Any:
+    built = model(family)
+    previous = built.config._attn_implementation
+    built.config._attn_implementation = implementation
+    try:
+        with torch.inference_mode():
+            return built(input_ids=torch.tensor([[1, 2, 3, 4, 5]]), use_cache=False, **kwargs)
+    finally:
+        built.config._attn_implementation = previous
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_canary_extra_keyword_arguments_reach_the_attention_function(family: str, recorded: Any) -> None:
+    marker = object()
+    run_with(family, "kvblocks_canary", kvblocks_step=marker, position_ids=torch.tensor([[7, 8, 9, 10, 11]]))
+    assert [c["layer"] for c in recorded] == [0, 1]
+    assert all(c["kvblocks_step"] is marker for c in recorded)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_canary_no_mask_is_built_for_a_custom_implementation(family: str, recorded: Any) -> None:
+    run_with(family, "kvblocks_canary")
+    assert recorded and all(c["mask"] is None for c in recorded)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_canary_packed_queries_and_keys_arrive_as_batch_one_heads_first(family: str, recorded: Any) -> None:
+    run_with(family, "kvblocks_canary")
+    config = model(family).config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for call in recorded:
+        assert tuple(call["query"]) == (1, config.num_attention_heads, 5, head_dim)
+        assert tuple(call["key"]) == (1, config.num_key_value_heads, 5, head_dim)
+
+
+def test_canary_each_layer_passes_its_window_and_the_config_lists_it(recorded: Any) -> None:
+    for family, windows in (
+        ("llama", [None, None]),
+        ("mistral", [WINDOW, WINDOW]),
+        ("qwen2", [None, WINDOW]),
+        ("gemma2", [WINDOW, None]),
+    ):
+        recorded.clear()
+        run_with(family, "kvblocks_canary")
+        assert [c.get("sliding_window") for c in recorded] == windows, family
+    config = model("qwen2").config
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+
+
+def test_canary_explicit_position_ids_reach_the_rotary_embedding() -> None:
+    """Packed sequences restart their positions: the model must use the given ones, not 0..T-1."""
+    default = run_with("llama", "sdpa").logits[0]
+    gapped = run_with("llama", "sdpa", position_ids=torch.tensor([[0, 1, 2, 3, 9]])).logits[0]
+    assert torch.allclose(default[:4], gapped[:4], atol=1e-6)
+    assert not torch.allclose(default[4], gapped[4], atol=1e-3)

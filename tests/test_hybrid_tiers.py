@@ -7,9 +7,12 @@ state machine whose shadow caches hold, per group, the hash each device and host
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import threading
+import time
+from collections.abc import Hashable, Iterator, Sequence
 
 import pytest
+import xxhash
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -19,7 +22,7 @@ from kvblocks.errors import ConfigError, InvalidArgumentError, StaleLookupError
 from kvblocks.hybrid import LocalGroup, RecurrentGroup
 from kvblocks.hybrid.manager import PLACEHOLDER
 from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
-from kvblocks.tiers import TierConfig
+from kvblocks.tiers import BlockSave, EntryFormat, FileStorage, LoadResult, MemoryStorage, TierConfig, TransferPlan
 
 B = 4
 A = list(range(17))
@@ -463,3 +466,316 @@ class HybridTiersMachine(RuleBasedStateMachine):
 
 TestHybridTiersMachine = HybridTiersMachine.TestCase
 TestHybridTiersMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+# ---------------------------------------------------------------- storage for the local groups
+
+PAYLOAD = 16
+FORMATS = tuple(EntryFormat("xxh3-128", "uint8", (PAYLOAD,), g, PAYLOAD) for g in range(3))  # one spec per group
+TWO_LOCALS = (LocalGroup("sliding_window", span=6, num_blocks=5), LocalGroup("chunked_local", 16, 3, block_size=8))
+
+
+def kv(group: int, key: object) -> bytes:
+    """The KV a block of ``group`` ending at chain hash ``key`` holds: another group's differs."""
+    raw = key if isinstance(key, bytes) else str(key).encode()
+    return xxhash.xxh3_128_digest(bytes([group]) + raw)[:PAYLOAD]
+
+
+class HybridSim:
+    """Runs a tiered hybrid manager as an engine does, with every group's device and host memories."""
+
+    def __init__(self, m: TieredHybridKVCacheManager) -> None:
+        self.m = m
+        self.device: list[dict[int, bytes]] = [{} for _ in range(m.num_groups)]
+        self.host: list[dict[int, bytes]] = [{} for _ in range(m.num_groups)]
+        self.results: list[LoadResult] = []
+
+    def _read(self, g: int, save: BlockSave) -> bytes:
+        return self.device[g].get(save.block, b"?" * PAYLOAD) if save.tier == "device" else self.host[g][save.block]
+
+    def run_plan(self, *, payloads: bool = True) -> TransferPlan:
+        m = self.m
+        plan = m.take_transfers()
+        moves = [(0, plan.saves, plan.swap_outs, plan.swap_ins)]
+        moves += [(t.group, t.saves, t.swap_outs, t.swap_ins) for t in plan.groups]
+        saved = {g: [self._read(g, s) for s in saves] for g, saves, _, _ in moves}
+        for g, _, outs, ins in moves:
+            for d, h in outs:
+                self.host[g][h] = self.device[g].get(d, b"?")
+            for h, d in ins:
+                self.device[g][d] = self.host[g][h]
+        m.complete_transfers(
+            plan,
+            saved=saved[0] if payloads and plan.saves else None,
+            saved_groups={g: saved[g] for g in saved if g} if payloads else None,
+        )
+        return plan
+
+    def poll(self) -> list[LoadResult]:
+        results = self.m.poll_loads()
+        for r in results:
+            for block, parts in zip(r.blocks, r.payloads, strict=True):
+                self.device[r.group][block] = bytes(parts[0])
+        self.results += results
+        return results
+
+    def wait_ready(self, seq_id: Hashable) -> None:
+        deadline = time.monotonic() + 5
+        while not self.m.is_ready(seq_id):
+            self.run_plan()
+            self.poll()
+            assert time.monotonic() < deadline, f"{seq_id!r} never became ready"
+            time.sleep(0.001)
+
+    def compute(self, seq_id: Hashable, upto: int) -> None:
+        """The forward pass: every group writes the KV of its held positions from the computed line to ``upto``."""
+        m = self.m
+        hashes = m.block_hashes(seq_id)
+        done = m.num_computed_tokens(seq_id)
+        for g in range(m.num_groups):
+            size = SIZES[g] if g < len(SIZES) else B
+            table = m.group_block_table(seq_id, g)
+            keys = keys_of(size, hashes)
+            for p in range(done // size, upto // size):
+                if table[p] != PLACEHOLDER:
+                    self.device[g][table[p]] = kv(g, keys[p])
+        m.commit(seq_id, upto)
+
+    def serve(self, seq_id: Hashable, tokens: list[int]) -> None:
+        """Admit (loading what is cached), compute and commit a whole prompt, run the plan, free it."""
+        m = self.m
+        m.add_sequence(seq_id, tokens)
+        cached = m.lookup(seq_id)
+        assert m.allocate(seq_id, len(tokens) - cached.total) is not None
+        self.wait_ready(seq_id)
+        if m.num_allocated_tokens(seq_id) < len(tokens):
+            assert m.allocate(seq_id, len(tokens) - m.num_allocated_tokens(seq_id)) is not None
+            self.run_plan()
+        self.check(seq_id)
+        self.compute(seq_id, len(tokens))
+        m.free(seq_id)
+        self.run_plan()
+
+    def check(self, seq_id: Hashable) -> None:
+        """Every held block below the computed line holds its own group's KV of its own prefix."""
+        m = self.m
+        hashes = m.block_hashes(seq_id)
+        done = m.num_computed_tokens(seq_id)
+        for g in range(m.num_groups):
+            size = SIZES[g] if g < len(SIZES) else B
+            keys = keys_of(size, hashes)
+            for p, b in enumerate(m.group_block_table(seq_id, g)[: done // size]):
+                if b != PLACEHOLDER:
+                    assert self.device[g].get(b) == kv(g, keys[p]), (seq_id, g, p)
+
+
+def keys_of(size: int, hashes: Sequence[object]) -> list[object]:
+    r = size // B
+    return [hashes[(p + 1) * r - 1] for p in range(len(hashes) // r)]
+
+
+def make_stored(
+    storage: object, *, locals_: Sequence[LocalGroup] = TWO_LOCALS, policy: str = "write-back", full: int = 5
+) -> TieredHybridKVCacheManager:
+    return TieredHybridKVCacheManager(
+        full,
+        B,
+        tiers=TierConfig(
+            storage=storage,  # type: ignore[arg-type]
+            entry_format=FORMATS[0],
+            group_entry_formats=FORMATS[1 : 1 + len(locals_)],
+            storage_policy=policy,
+        ),
+        local_groups=locals_,
+    )
+
+
+@pytest.fixture
+def closing() -> Iterator[list[TieredHybridKVCacheManager]]:
+    made: list[TieredHybridKVCacheManager] = []
+    yield made
+    for m in made:
+        m.close(timeout=1)
+
+
+def test_evicted_local_blocks_are_saved_under_their_groups_own_keys_and_loaded_back(closing) -> None:
+    storage = MemoryStorage()
+    m = make_stored(storage)
+    closing.append(m)
+    sim = HybridSim(m)
+    sim.serve("a", A)
+    m.add_sequence("b", OTHER)
+    assert m.allocate("b", 17) is not None  # evicts a's blocks in every group: write-back to storage
+    plan = sim.run_plan()
+    assert [len(plan.saves)] + [len(t.saves) for t in plan.groups] == [4, 4, 2]
+    assert all(s.tier == "device" for t in plan.groups for s in t.saves)
+    m.free("b")
+    assert m.flush(5) and len(storage) == 10
+    ha = hashes_of(m, A)
+    key0, key1, key2 = (m.group_storage(g).keys_of(ha[3]) for g in range(3))  # type: ignore[union-attr]
+    assert len({key0[0], key1[0], key2[0]}) == 3  # one key space per group
+    assert storage.get(key1) == [FORMATS[1].encode(kv(1, ha[3]))]  # group 1's KV, group 1's header
+    m.add_sequence("c", A)
+    assert m.lookup("c") == CachedTokens(storage=16, num_prompt_tokens=17)
+    assert m.allocate("c", 1) is not None and not m.is_ready("c")
+    tables = [m.group_block_table("c", g) for g in range(3)]
+    sim.wait_ready("c")
+    by_group = {r.group: r for r in sim.results}
+    assert by_group[0].blocks == tuple(tables[0][:4])
+    assert by_group[1].blocks == tuple(tables[1][2:4]) and by_group[1].complete  # the window at 16: positions 2, 3
+    assert 2 not in by_group and tables[2][:2] == [P, P]  # a chunk starts at 16: group 2 needs none of its blocks
+    assert m.num_computed_tokens("c") == 16 and m.stats.hit_tokens_storage == 16
+    sim.check("c")
+    m.check_integrity()
+    sim.compute("c", 17)
+    m.check_integrity()
+
+
+def test_a_new_manager_on_the_same_directory_gets_storage_hits_in_every_group(tmp_path, closing) -> None:
+    prompt = list(range(25))  # a hit at 24: the window needs positions 4, 5; the chunk from 16 group block 2
+    roomy = (LocalGroup("sliding_window", span=6, num_blocks=10), LocalGroup("chunked_local", 16, 6, block_size=8))
+    first = make_stored(FileStorage(tmp_path), locals_=roomy, policy="write-through", full=20)
+    sim = HybridSim(first)
+    sim.serve("a", prompt)
+    assert first.flush(5)
+    first.close()
+    m = make_stored(FileStorage(tmp_path), locals_=roomy, policy="write-through", full=20)
+    closing.append(m)
+    m.add_sequence("c", prompt)
+    deadline = time.monotonic() + 5
+    while m.is_storage_check_pending("c"):  # the probes of every group's storage, off-thread
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert m.lookup("c") == CachedTokens(storage=24, num_prompt_tokens=25)
+    assert m.allocate("c", 1) is not None
+    sim = HybridSim(m)
+    sim.wait_ready("c")
+    assert sorted((r.group, len(r.blocks), r.requested) for r in sim.results) == [(0, 6, 6), (1, 2, 2), (2, 1, 1)]
+    assert m.num_computed_tokens("c") == 24
+    sim.check("c")
+    m.check_integrity()
+
+
+def test_a_storage_hit_stops_where_a_local_groups_own_storage_lacks_its_window(closing) -> None:
+    storage = MemoryStorage()
+    m = make_stored(storage, policy="write-through", full=20)
+    closing.append(m)
+    sim = HybridSim(m)
+    sim.serve("a", A)
+    assert m.flush(5)
+    storage.delete(m.group_storage(1).keys_of(hashes_of(m, A)[3]))  # type: ignore[union-attr]  # 4-token blocks
+    m2 = make_stored(storage, policy="off", full=20)  # a fresh index, the same store
+    closing.append(m2)
+    m2.add_sequence("c", A)
+    deadline = time.monotonic() + 5
+    while m2.is_storage_check_pending("c"):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert m2.lookup("c") == CachedTokens(storage=8, num_prompt_tokens=17)  # the window at 16 needs position 3
+
+
+def test_a_short_local_load_cuts_the_hit_back_to_what_every_group_got(closing) -> None:
+    storage = MemoryStorage()
+    wide = (LocalGroup("sliding_window", span=64, num_blocks=5),)  # every position is in the window
+    m = make_stored(storage, locals_=wide)
+    closing.append(m)
+    sim = HybridSim(m)
+    sim.serve("a", A)
+    m.add_sequence("b", OTHER)
+    assert m.allocate("b", 17) is not None
+    sim.run_plan()
+    m.free("b")
+    assert m.flush(5)
+    m.add_sequence("c", A)
+    key = m.group_storage(1).keys_of(m.block_hashes("c")[2])  # type: ignore[union-attr]
+    storage.delete(key)  # the index does not know yet: position 2 of group 1 is a miss when read
+    assert m.lookup("c") == CachedTokens(storage=16, num_prompt_tokens=17)
+    assert m.allocate("c", 1) is not None
+    tables = [m.group_block_table("c", g) for g in range(2)]
+    sim.wait_ready("c")
+    (local,) = [r for r in sim.results if r.group == 1]
+    assert local.blocks == tuple(tables[1][:2]) and local.requested == 4 and not local.complete
+    assert m.num_computed_tokens("c") == 8
+    assert list(m.block_table("c")) == tables[0][:2] and m.group_block_table("c", 1) == tables[1][:2]
+    assert m.group_pool(1).num_free == 3 and m.stats.hit_tokens_storage == 8
+    m.check_integrity()
+    assert m.allocate("c", 9) is not None
+    sim.run_plan()
+    sim.compute("c", 17)
+    sim.check("c")
+    m.check_integrity()
+
+
+def test_a_freed_sequences_local_loads_are_dropped_and_its_blocks_go_back(closing) -> None:
+    storage = MemoryStorage()
+    m = make_stored(storage, full=20)
+    closing.append(m)
+    sim = HybridSim(m)
+    sim.serve("a", A)
+    m.add_sequence("b", OTHER)
+    assert m.allocate("b", 17) is not None  # evicts the local groups' blocks only
+    sim.run_plan()
+    m.free("b")
+    assert m.flush(5)
+    m.add_sequence("c", A)
+    assert m.lookup("c") == CachedTokens(device=16, num_prompt_tokens=17)  # group 0 on device, group 1 stored
+    assert m.allocate("c", 1) is not None and not m.is_ready("c") and m.num_pending_loads == 1
+    m.check_integrity()
+    m.free("c")
+    assert m.num_pending_loads == 0 and m.group_pool(1).num_free == 5 and m.group_pool(2).num_free == 3
+    sim.run_plan()
+    m.group_storage(1).wait_idle(5)  # type: ignore[union-attr]
+    m.group_storage(2).wait_idle(5)  # type: ignore[union-attr]
+    assert sim.poll() == []
+    m.check_integrity()
+
+
+def test_local_saves_without_payloads_are_dropped_and_counted_and_bad_payloads_change_nothing(closing) -> None:
+    storage = MemoryStorage()
+    m = make_stored(storage, policy="write-through", full=20)
+    closing.append(m)
+    m.add_sequence("a", A)
+    assert m.allocate("a", 17) is not None
+    m.commit("a", 17)
+    plan = m.take_transfers()
+    assert [len(plan.saves)] + [len(t.saves) for t in plan.groups] == [4, 4, 2]
+    good = {t.group: [kv(t.group, s.block_hash) for s in t.saves] for t in plan.groups}
+    before = m.tier_stats
+    bad_inputs: list[dict[str, object]] = [
+        {"saved_groups": {1: [b"short"] * 4}},
+        {"saved_groups": {1: good[1][:3]}},
+        {"saved_groups": {3: good[1]}},
+        {"saved_groups": {True: good[1]}},
+        {"saved_groups": {1: b"x" * 64}},
+        {"saved_groups": good, "saved": [b"short"] * 4},  # group 0's payload is checked before any group queues
+    ]
+    for bad in bad_inputs:
+        with pytest.raises(InvalidArgumentError):
+            m.complete_transfers(plan, **bad)  # type: ignore[arg-type]
+    assert m.flush(5) and len(storage) == 0 and m.tier_stats == before
+    m.complete_transfers(plan, saved_groups={1: good[1]})  # group 0's and group 2's saves without payloads
+    assert m.flush(5) and len(storage) == 4
+    assert m.tier_stats.saves_without_payload == before.saves_without_payload + 6
+    m.check_integrity()
+
+
+def test_close_stops_every_groups_storage_threads(tmp_path) -> None:
+    def threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("kvblocks-") and t.is_alive()}
+
+    before = threads()
+    with make_stored(FileStorage(tmp_path), policy="write-through", full=20) as m:
+        assert len(threads() - before) == 6  # a writer and a reader per group
+        HybridSim(m).serve("a", A)
+    assert not threads() - before
+    assert len(list(tmp_path.rglob("*.*"))) >= 4 + 4 + 2  # every group's queued writes finished within close
+
+
+def test_group_entry_formats_are_checked() -> None:
+    with pytest.raises(ConfigError):
+        TierConfig(group_entry_formats=("fmt",))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        TierConfig(group_entry_formats=FORMATS[0])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        make_stored(MemoryStorage(), locals_=TWO_LOCALS[:1] * 3)  # 3 local groups, 2 formats
+    assert TierConfig(group_entry_formats=[FORMATS[1]]).group_entry_formats == (FORMATS[1],)

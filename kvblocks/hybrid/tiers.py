@@ -21,40 +21,52 @@ of its own (``TierConfig.group_host_blocks``) that the blocks its index evicts m
   copy is reported (``complete_transfers``, ``poll_loads``). A failed copy in any group cuts the hit
   back to the longest one every group still serves with the blocks whose copies landed; the rest of
   every table goes back and the engine allocates those tokens again.
-* Storage serves group 0 only: a local group's block under the same hash holds other KV, and local
-  groups have no storage tier yet. A storage block counts only where every local group serves the
-  hit from device or host.
+* Storage: group 0 stores under the manager's keys; with ``TierConfig.group_entry_formats`` each
+  local group stores under keys of its own (:func:`~kvblocks.tiers.group_tag`: a local block and a
+  full-attention block under the same hash hold different KV) in the same backend, with its own
+  entry format, known-stored index and I/O threads. A local group then serves a block also when its
+  storage is known to hold it; its stored blocks get device blocks and loads, reported by
+  ``poll_loads`` as :class:`~kvblocks.tiers.LoadResult` with ``group`` set. Its write-back and
+  write-through saves are in its :class:`~kvblocks.tiers.GroupTransfers` ``saves``; their payloads
+  come back in ``complete_transfers(saved_groups={group: [...]})``. Without group formats, storage
+  serves group 0 only and a storage block counts only where every local group serves the hit from
+  device or host.
 * Recurrent groups are refused (:class:`~kvblocks.errors.ConfigError`): their checkpoints have no
   host tier yet.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
 from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, StaleLookupError
 from kvblocks.events import EventSink
-from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
+from kvblocks.hashing import DEFAULT_SCHEME, BlockExtras, BlockHash, Namespace
 from kvblocks.hybrid.hits import longest_common_hit, needed_blocks
 from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup, _Local
 from kvblocks.hybrid.recurrent import RecurrentGroup
 from kvblocks.manager import BlockTable, _count_arg, _Sequence
 from kvblocks.tiers.config import TierConfig
+from kvblocks.tiers.entry import group_tag, namespace_tag
 from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.manager import TieredKVCacheManager, _Admission, _Plan
-from kvblocks.tiers.transfers import AdmittedTable, GroupTransfers, TransferPlan
+from kvblocks.tiers.storage_tier import LoadOutcome, StorageTier
+from kvblocks.tiers.transfers import AdmittedTable, BlockSave, GroupTransfers, LoadResult, TransferPlan
 
 __all__ = ["TieredHybridKVCacheManager"]
 
 _LocalSwap = tuple[int, int, "_HybridAdmission", int]  # host block, device block, admission, group position
+_DEVICE, _HOST, _STORED = 0, 1, 2  # where a local group holds a block a hit needs
+_Source = tuple[int, int, int]  # group position, block (device or host; -1 when stored), where
 
 
 class _HybridAdmission(_Admission):
     """A pending admission of a hybrid sequence: group 0's copies, and each local group's swap-ins."""
 
-    __slots__ = ("hit", "local_ok", "local_swaps")
+    __slots__ = ("hit", "local_loaded", "local_loads", "local_ok", "local_requests", "local_swaps")
 
     def __init__(
         self,
@@ -63,6 +75,7 @@ class _HybridAdmission(_Admission):
         parts: tuple[int, list[int], int],
         hit: int,
         local_swaps: list[list[tuple[int, int, int]]],
+        local_loads: list[list[tuple[int, int]]],
     ) -> None:
         device, host_blocks, num_loads = parts
         super().__init__(seq_id, seq, device, host_blocks, num_loads)
@@ -70,21 +83,33 @@ class _HybridAdmission(_Admission):
         self.local_swaps = local_swaps  # per local group: (host block, device block, group position)
         # per local group, the positions whose swap-in landed; None until the plan holding them completes
         self.local_ok: list[set[int]] | None = None if any(local_swaps) else [set() for _ in local_swaps]
+        self.local_loads = local_loads  # per local group: (device block, group position) read from its storage
+        # per local group, the positions its storage read filled; None until poll_loads reports that read
+        self.local_loaded: list[set[int] | None] = [None if loads else set() for loads in local_loads]
+        self.local_requests = [-1 for _ in local_loads]  # per local group: its storage read's request id
 
 
 class _HybridPlan(_Plan):
     """A step's plan with each local group's swap-outs, swap-ins and deferred releases."""
 
-    __slots__ = ("group_deferred", "group_swap_ins", "group_swap_outs")
+    __slots__ = ("group_deferred", "group_queued", "group_saves", "group_swap_ins", "group_swap_outs")
 
     def __init__(self, plan_id: int, num_locals: int) -> None:
         super().__init__(plan_id)
         self.group_swap_outs: list[list[tuple[int, int, BlockHash]]] = [[] for _ in range(num_locals)]
         self.group_swap_ins: list[list[_LocalSwap]] = [[] for _ in range(num_locals)]
         self.group_deferred: list[list[list[int]]] = [[] for _ in range(num_locals)]
+        self.group_saves: list[list[BlockSave]] = [[] for _ in range(num_locals)]
+        self.group_queued: list[set[BlockHash]] = [set() for _ in range(num_locals)]  # hashes saved per group
 
     def busy(self) -> bool:
-        return super().busy() or any(self.group_swap_outs) or any(self.group_swap_ins) or any(self.group_deferred)
+        return (
+            super().busy()
+            or any(self.group_swap_outs)
+            or any(self.group_swap_ins)
+            or any(self.group_deferred)
+            or any(self.group_saves)
+        )
 
     def frozen(self) -> TransferPlan:
         base = super().frozen()
@@ -93,8 +118,11 @@ class _HybridPlan(_Plan):
                 number,
                 tuple((d, h) for d, h, _ in outs),
                 tuple((h, d) for h, d, _, _ in ins),
+                tuple(saves),
             )
-            for number, (outs, ins) in enumerate(zip(self.group_swap_outs, self.group_swap_ins, strict=True), 1)
+            for number, (outs, ins, saves) in enumerate(
+                zip(self.group_swap_outs, self.group_swap_ins, self.group_saves, strict=True), 1
+            )
         )
         return TransferPlan(base.id, base.saves, base.swap_outs, base.swap_ins, groups)
 
@@ -169,13 +197,42 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
             raise ConfigError(
                 f"group_host_blocks names {len(per_group)} groups, the manager has {len(self._locals)} local groups"
             )
+        formats = tiers.group_entry_formats if tiers.storage is not None else ()
+        if formats and len(formats) != len(self._locals):
+            raise ConfigError(
+                f"group_entry_formats names {len(formats)} groups, the manager has {len(self._locals)} local groups"
+            )
         on = tiers.host_policy != "off"
         self._group_hosts = [HostTier(count) if on and count else None for count in per_group] or [
             None for _ in self._locals
         ]
         self._group_write_back = tiers.host_policy == "write-back"
         self._group_write_through = tiers.host_policy == "write-through"
+        self._group_save_back = bool(formats) and tiers.storage_policy == "write-back"
+        self._group_save_through = bool(formats) and tiers.storage_policy == "write-through"
+        self._group_loads: dict[tuple[int, int], _HybridAdmission] = {}  # (local group, request) -> admission
+        self._held_group_results: list[tuple[int, int, LoadOutcome]] = []
+        self._group_probes: dict[Hashable, list[tuple[int, int]]] = {}  # sequence -> (local group, probe request)
         super()._setup_tiers(tiers)
+        self._group_storages: list[StorageTier | None] = [
+            self._local_storage(tiers, number, fmt) for number, fmt in enumerate(formats)
+        ] or [None for _ in self._locals]
+
+    def _local_storage(self, tiers: TierConfig, number: int, entry_format: object) -> StorageTier:
+        """Local group ``number``'s (0-based) storage tier: the shared backend under the group's own keys."""
+        config = self.config
+        local = self._locals[number]
+        base = namespace_tag(config.namespace, config.hash_scheme, config.block_size)
+        tag = group_tag(base, number + 1, self._kinds[number + 1], local.block_size, local.span)
+        return StorageTier(
+            tiers,
+            config.namespace,  # type: ignore[arg-type]
+            config.hash_scheme,
+            local.block_size,
+            entry_format=entry_format,  # type: ignore[arg-type]
+            tag=tag,
+            owns_backend=False,  # group 0's tier closes the backend, after the local groups' tiers
+        )
 
     def _new_plan(self, plan_id: int) -> _Plan:
         return _HybridPlan(plan_id, len(self._locals))
@@ -184,6 +241,75 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         """Group ``group``'s host tier (0: :attr:`host`); read it, change it only through the manager."""
         number = self._group(group)
         return self._host if number == 0 else self._group_hosts[number - 1]
+
+    def group_storage(self, group: int) -> StorageTier | None:
+        """Group ``group``'s storage tier (0: :attr:`storage`); a local group's has keys and a format of its own."""
+        number = self._group(group)
+        return self._storage if number == 0 else self._group_storages[number - 1]
+
+    @property
+    def num_pending_loads(self) -> int:
+        """Storage reads of every group not yet reported by :meth:`poll_loads`."""
+        return len(self._loads) + len(self._group_loads)
+
+    # ------------------------------------------------------------------ registration
+
+    def add_sequence(
+        self,
+        seq_id: Hashable,
+        token_ids: Iterable[int] | None = None,
+        *,
+        extras: BlockExtras | None = None,
+        block_hashes: Iterable[BlockHash] | None = None,
+        num_tokens: int | None = None,
+        skip_cache_read: bool = False,
+    ) -> None:
+        """As the tiered manager's; each local group's storage is also asked (off-thread) which blocks it holds."""
+        super().add_sequence(
+            seq_id,
+            token_ids,
+            extras=extras,
+            block_hashes=block_hashes,
+            num_tokens=num_tokens,
+            skip_cache_read=skip_cache_read,
+        )
+        if skip_cache_read or not self._caching or not any(self._group_storages):
+            return
+        s = self._seqs[seq_id]
+        limit = self._cacheable_blocks(s.content.num_tokens)
+        probes = []
+        for number, storage in enumerate(self._group_storages):
+            if storage is None:
+                continue
+            local = self._locals[number]
+            keys = local.keys(s.content.hashes)
+            host = self._group_hosts[number]
+            unknown = [
+                key
+                for key in (keys[p] for p in range(limit // local.ratio))
+                if local.index.block_of(key) is None and (host is None or key not in host)
+            ]
+            request = storage.probe(unknown) if unknown else None
+            if request is not None:
+                probes.append((number, request))
+        if probes:
+            self._group_probes[seq_id] = probes
+
+    def is_storage_check_pending(self, seq_id: Hashable) -> bool:
+        """Whether a storage check :meth:`add_sequence` queued for ``seq_id``, in any group, is unanswered. Pure."""
+        pending = super().is_storage_check_pending(seq_id)
+        probes = self._group_probes.get(seq_id)
+        if probes:
+            left = [(n, r) for n, r in probes if not self._group_storages[n].is_answered(r)]  # type: ignore[union-attr]
+            if left:
+                self._group_probes[seq_id] = left
+                return True
+            del self._group_probes[seq_id]
+        return pending
+
+    def free(self, seq_id: Hashable) -> None:
+        super().free(seq_id)
+        self._group_probes.pop(seq_id, None)
 
     # ------------------------------------------------------------------ the hit over tiers
 
@@ -205,16 +331,28 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         return longest_common_hit(rules, run * size, answers) // size, device, host_blocks, stored
 
     def _served(self, number: int, hashes: Sequence[BlockHash]) -> Callable[[int], bool]:
-        """Whether local group ``number`` (0-based) holds block position ``p`` on device or in its host tier."""
+        """Whether local group ``number`` (0-based) holds block position ``p`` on device, in its host tier,
+        or (known) in its storage."""
         local = self._locals[number]
         keys = local.keys(hashes)
         count = len(keys)
         on_device = local.index.block_of
         host = self._group_hosts[number]
-        if host is None:
+        storage = self._group_storages[number]
+        if storage is not None and not storage.healthy:
+            storage = None  # a read timed out: no storage hits until the backend answers again
+        if host is None and storage is None:
             return lambda p: p < count and on_device(keys[p]) is not None
-        on_host = host.block_of
-        return lambda p: p < count and (on_device(keys[p]) is not None or on_host(keys[p]) is not None)
+        on_host = host.block_of if host is not None else _nowhere
+        stored = storage.is_known if storage is not None else _never
+
+        def served(p: int) -> bool:
+            if p >= count:
+                return False
+            key = keys[p]
+            return on_device(key) is not None or on_host(key) is not None or stored(key)
+
+        return served
 
     @staticmethod
     def _split(hit: int, device: int, host_blocks: list[int]) -> tuple[int, list[int], int]:
@@ -235,8 +373,9 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
             num_prompt_tokens=s.content.num_tokens,
         )
 
-    def _local_sources(self, seq_id: Hashable, s: _Sequence, hit: int) -> list[list[tuple[int, int, bool]]]:
-        """Per local group, (position, block, on device) for each block a ``hit``-block hit needs. Pure.
+    def _local_sources(self, seq_id: Hashable, s: _Sequence, hit: int) -> list[list[_Source]]:
+        """Per local group, (position, block, where) for each block a ``hit``-block hit needs: on device,
+        in its host tier, or (block -1) known stored. Pure.
 
         Raises :class:`StaleLookupError` when a group holds one of them nowhere (a caller-named hit below
         the one every group serves now)."""
@@ -245,19 +384,24 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         for number, local in enumerate(self._locals):
             keys = local.keys(hashes)
             host = self._group_hosts[number]
+            storage = self._group_storages[number]
             sources = []
             for p in needed_blocks(local.rule, hit * self._block_size):
-                block = local.index.block_of(keys[p])
+                key = keys[p]
+                block = local.index.block_of(key)
                 if block is not None:
-                    sources.append((p, block, True))
+                    sources.append((p, block, _DEVICE))
                     continue
-                block = host.block_of(keys[p]) if host is not None else None
-                if block is None:
+                block = host.block_of(key) if host is not None else None
+                if block is not None:
+                    sources.append((p, block, _HOST))
+                elif storage is not None and storage.healthy and storage.is_known(key):
+                    sources.append((p, -1, _STORED))
+                else:
                     raise StaleLookupError(
                         f"sequence {seq_id!r}: group {number + 1} no longer holds what the "
                         f"{hit * self._block_size}-token hit seen needs"
                     )
-                sources.append((p, block, False))
             out.append(sources)
         return out
 
@@ -275,7 +419,7 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         pool = self._pool
         short = need - (pool.num_free - pool.count_idle(matched) - self._reserve)
         for local, sources in zip(self._locals, self._local_sources(seq_id, s, hit), strict=True):
-            kept = [b for _, b, on_device in sources if on_device]
+            kept = [b for _, b, where in sources if where == _DEVICE]
             fresh = local.blocks_for(device + need) - hit // local.ratio + len(sources) - len(kept)
             short = max(short, fresh - (local.pool.num_free - local.pool.count_idle(kept)))
         return max(0, short)
@@ -302,7 +446,7 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         sources = self._local_sources(seq_id, s, hit)
         total = device + need
         for local, group_sources in zip(self._locals, sources, strict=True):
-            kept = [b for _, b, on_device in group_sources if on_device]
+            kept = [b for _, b, where in group_sources if where == _DEVICE]
             fresh = local.blocks_for(total) - hit // local.ratio + len(group_sources) - len(kept)
             if fresh > local.pool.num_free - local.pool.count_idle(kept):
                 return None
@@ -313,47 +457,54 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
             self._host.acquire(host_blocks)  # type: ignore[union-attr]  # before eviction can write back into host
         if need:
             matched += self._take(need)
-        local_swaps = [
+        local_copies = [
             self._admit_local(s, number, group_sources, hit, total) for number, group_sources in enumerate(sources)
         ]
+        local_swaps = [swaps for swaps, _ in local_copies]
+        local_loads = [loads for _, loads in local_copies]
         s.table = matched
         s.view = BlockTable(matched, hit * size)
         s.num_covered = covered
         s.lookahead = k
         s.num_committed = device * size
         self._watch(s, hit * size)
-        if not host_blocks and not num_loads and not any(local_swaps):
+        if not host_blocks and not num_loads and not any(local_swaps) and not any(local_loads):
             self._admitted(seq_id, CachedTokens(device=hit * size, num_prompt_tokens=s.content.num_tokens), s.preempted)
             return s.view
-        return self._pend(seq_id, s, (device, host_blocks, num_loads), hit, local_swaps)
+        return self._pend(seq_id, s, (device, host_blocks, num_loads), hit, local_swaps, local_loads)
 
     def _admit_local(
-        self, s: _Sequence, number: int, sources: list[tuple[int, int, bool]], hit: int, total: int
-    ) -> list[tuple[int, int, int]]:
-        """Local group ``number`` (0-based) takes its table for an admission; returns its swap-ins."""
+        self, s: _Sequence, number: int, sources: list[_Source], hit: int, total: int
+    ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+        """Local group ``number`` (0-based) takes its table for an admission; returns its swap-ins
+        (host block, device block, position) and its storage loads (device block, position)."""
         local = self._locals[number]
-        kept = [b for _, b, on_device in sources if on_device]
-        from_host = [b for _, b, on_device in sources if not on_device]
+        kept = [b for _, b, where in sources if where == _DEVICE]
+        from_host = [b for _, b, where in sources if where == _HOST]
         local.pool._acquire_valid(kept)
         if from_host:
             self._group_hosts[number].acquire(from_host)  # type: ignore[union-attr]  # before eviction writes back
         cached = hit // local.ratio  # a hit ends on a boundary of every group (hit_step)
         first = cached - len(sources)
-        fresh = self._take_local(number, local.blocks_for(total) - cached + len(from_host))
+        fresh = self._take_local(number, local.blocks_for(total) - cached + len(sources) - len(kept))
         table = [PLACEHOLDER] * first
         swaps = []
+        loads = []
         taken = iter(fresh)
-        for position, block, on_device in sources:
-            if on_device:
+        for position, block, where in sources:
+            if where == _DEVICE:
                 table.append(block)
-            else:
-                target = next(taken)
-                table.append(target)
+                continue
+            target = next(taken)
+            table.append(target)
+            if where == _HOST:
                 swaps.append((block, target, position))
+            else:
+                loads.append((target, position))
         table.extend(taken)
         local.tables[id(s)] = table
         local.released[id(s)] = first
-        return swaps
+        return swaps, loads
 
     def _pend(
         self,
@@ -362,10 +513,11 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         parts: tuple[int, list[int], int],
         hit: int,
         local_swaps: list[list[tuple[int, int, int]]],
+        local_loads: list[list[tuple[int, int]]],
     ) -> AdmittedTable:
         """Record a pending admission and plan its copies (as the tiered manager does for group 0)."""
         device, host_blocks, num_loads = parts
-        admission = _HybridAdmission(seq_id, s, parts, hit, local_swaps)
+        admission = _HybridAdmission(seq_id, s, parts, hit, local_swaps, local_loads)
         plan: _HybridPlan = self._open  # type: ignore[assignment]
         table: list[int] = s.table  # type: ignore[assignment]
         start = device + len(host_blocks)
@@ -382,8 +534,24 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         s.view = view
         if num_loads:
             self._start_load(admission, loaded)
+        if any(local_loads):
+            self._start_local_loads(admission)
         self._admissions[id(s)] = admission
         return view
+
+    def _start_local_loads(self, admission: _HybridAdmission) -> None:
+        """Queue each local group's storage read of an admission's blocks (reported by :meth:`poll_loads`)."""
+        hashes = admission.seq.content.hashes
+        admission.load_plan = self._open.id  # held until this step's plan was taken (its saves read first)
+        for number, loads in enumerate(admission.local_loads):
+            if not loads:
+                continue
+            storage: StorageTier = self._group_storages[number]  # type: ignore[assignment]
+            keys = self._locals[number].keys(hashes)
+            request = storage.load([keys[p] for _, p in loads])
+            admission.local_requests[number] = request
+            admission.deadline = max(admission.deadline, time.monotonic() + storage.timeout_s)
+            self._group_loads[number, request] = admission
 
     def _take_local(self, number: int, count: int) -> list[int]:
         """``count`` fresh blocks of local group ``number``; what its index evicts moves to its host tier."""
@@ -392,24 +560,44 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         short = count - pool.num_fresh
         if short > 0:
             host = self._group_hosts[number]
-            if host is None:
+            save_back = self._group_save_back
+            if host is None and not save_back:  # nothing below wants the evicted content
                 local.index.evict(short)
             else:
                 hashes: list[BlockHash] = []
                 evicted = local.index.evict(short, hashes)
                 for block, block_hash in zip(evicted, hashes, strict=True):
-                    if block_hash in host:
-                        host.touch(block_hash)
-                    elif self._group_write_back and not self._copy_local(number, block, block_hash):
-                        self._counts.write_backs_without_host_room += 1
+                    if host is not None:
+                        if block_hash in host:
+                            host.touch(block_hash)
+                            continue
+                        if self._group_write_back:
+                            if self._copy_local(number, block, block_hash):
+                                continue
+                            self._counts.write_backs_without_host_room += 1
+                    if save_back:
+                        self._plan_local_save(number, "device", block, block_hash)
         return pool.take_fresh(count)
 
     def _copy_local(self, number: int, block: int, block_hash: BlockHash) -> bool:
         reserved = self._group_hosts[number].reserve(block_hash)  # type: ignore[union-attr]
         if reserved is None:
             return False
-        self._open.group_swap_outs[number].append((block, reserved[0], block_hash))  # type: ignore[attr-defined]
+        host_block, evicted = reserved
+        if evicted is not None and self._group_save_back:
+            self._plan_local_save(number, "host", host_block, evicted)  # saved before the swap-out overwrites it
+        self._open.group_swap_outs[number].append((block, host_block, block_hash))  # type: ignore[attr-defined]
         return True
+
+    def _plan_local_save(self, number: int, tier: str, block: int, block_hash: BlockHash) -> None:
+        """Queue local group ``number``'s ``block`` for its storage in the open plan unless known stored."""
+        storage = self._group_storages[number]
+        plan: _HybridPlan = self._open  # type: ignore[assignment]
+        if storage is None or storage.is_known(block_hash) or block_hash in plan.group_queued[number]:
+            return
+        plan.group_saves[number].append(BlockSave(tier, block, block_hash))
+        plan.group_queued[number].add(block_hash)
+        self._counts.saves_planned += 1
 
     def _window_tokens(self, s: _Sequence) -> int:
         """A pending admission holds its windows at the hit it will have, not at its device prefix."""
@@ -421,19 +609,24 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
     def _commit(self, s: _Sequence, n: int) -> None:
         before = s.num_committed
         super()._commit(s, n)
-        if not (self._group_write_through and self._caching):
+        if not ((self._group_write_through or self._group_save_through) and self._caching):
             return
         hashes = s.content.hashes
         for number, local in enumerate(self._locals):
-            host = self._group_hosts[number]
-            if host is None:
+            host = self._group_hosts[number] if self._group_write_through else None
+            save = self._group_save_through and self._group_storages[number] is not None
+            if host is None and not save:
                 continue
             keys = local.keys(hashes)
             for position in range(before // local.block_size, n // local.block_size):
                 block_hash = keys[position]
                 block = local.index.block_of(block_hash)
-                if block is not None and block_hash not in host and not self._copy_local(number, block, block_hash):
+                if block is None:
+                    continue
+                if host is not None and block_hash not in host and not self._copy_local(number, block, block_hash):
                     self._counts.write_backs_without_host_room += 1
+                if save:
+                    self._plan_local_save(number, "device", block, block_hash)
 
     def _release(self, s: _Sequence) -> None:
         if s.table is None:
@@ -460,6 +653,15 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
                 local.pool._release_valid(order)
         super()._release(s)
 
+    def _cancel_admission(self, s: _Sequence) -> _Plan | None:
+        """As the tiered manager's; a local group's storage read still queued is skipped, a late one dropped."""
+        admission = self._admissions.get(id(s))
+        if isinstance(admission, _HybridAdmission):
+            for number, request in enumerate(admission.local_requests):
+                if request >= 0 and self._group_loads.pop((number, request), None) is not None:
+                    self._group_storages[number].cancel(request)  # type: ignore[union-attr]
+        return super()._cancel_admission(s)
+
     # ------------------------------------------------------------------ transfers
 
     def complete_transfers(
@@ -467,24 +669,39 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         plan: TransferPlan,
         *,
         saved: Sequence[object] | None = None,
+        saved_groups: Mapping[int, Sequence[object]] | None = None,
         failed_swap_ins: Collection[int] = (),
         failed_swap_outs: Collection[int] = (),
         failed_group_swap_ins: Mapping[int, Collection[int]] | None = None,
         failed_group_swap_outs: Mapping[int, Collection[int]] | None = None,
     ) -> None:
-        """As :meth:`TieredKVCacheManager.complete_transfers`; ``failed_group_swap_ins`` /
-        ``failed_group_swap_outs`` map a local group's index to its device / host blocks whose copy failed.
+        """As :meth:`TieredKVCacheManager.complete_transfers`; ``saved_groups`` maps a local group's index
+        to the payloads of its ``GroupTransfers.saves`` (without them they are dropped and counted);
+        ``failed_group_swap_ins`` / ``failed_group_swap_outs`` map a local group's index to its device /
+        host blocks whose copy failed.
 
-        A failed copy in any group cuts the admission's hit back to the longest one every group still
-        serves with what landed.
+        Every argument is checked before anything changes (a wrong payload in any group: the plan can be
+        completed again). A failed copy in any group cuts the admission's hit back to the longest one
+        every group still serves with what landed.
         """
         failed_in = set(failed_swap_ins)
         failed_out = set(failed_swap_outs)
         state: _HybridPlan | None = self._completing(plan, failed_in, failed_out)  # type: ignore[assignment]
         group_in = self._group_failures(failed_group_swap_ins, state, "swap_ins")
         group_out = self._group_failures(failed_group_swap_outs, state, "swap_outs")
+        payloads = self._group_payloads(saved_groups, state)
         if state is None:
             return
+        if saved is not None and state.saves:  # group 0's, checked before any group changes
+            self._storage.check_payloads([save.block_hash for save in state.saves], saved)  # type: ignore[union-attr]
+        for number, saves in enumerate(state.group_saves):
+            if not saves:
+                continue
+            given = payloads[number]
+            if given is None:
+                self._counts.saves_without_payload += len(saves)
+            else:
+                self._group_storages[number].save([save.block_hash for save in saves], given)  # type: ignore[union-attr]
         for number, outs in enumerate(state.group_swap_outs):
             host = self._group_hosts[number]
             for _, host_block, block_hash in outs:
@@ -506,6 +723,27 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         for admission in reported:  # those with no group-0 swap-in in this plan
             if not admission.cancelled and self._admissions.get(id(admission.seq)) is admission:
                 self._finish(admission)
+
+    def _group_payloads(
+        self, saved: Mapping[int, Sequence[object]] | None, state: _HybridPlan | None
+    ) -> list[Sequence[object] | None]:
+        """Per local group, the payloads given for its saves (None: none given); checked, changes nothing."""
+        out: list[Sequence[object] | None] = [None for _ in self._locals]
+        if not saved:
+            return out
+        if not isinstance(saved, Mapping):
+            raise InvalidArgumentError("saved_groups must map a local group's index to its saves' payloads")
+        for group, given in saved.items():
+            if isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= len(self._locals):
+                raise InvalidArgumentError(f"saved_groups: {group!r} is not a local group's index")
+            saves = state.group_saves[group - 1] if state is not None else []
+            if not saves:
+                continue  # as for group 0: payloads of a plan without saves are ignored
+            if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+                raise InvalidArgumentError(f"saved_groups[{group}] must be a sequence of payloads, one per save")
+            self._group_storages[group - 1].check_payloads([save.block_hash for save in saves], given)  # type: ignore[union-attr]
+            out[group - 1] = given
+        return out
 
     def _group_failures(
         self, failed: Mapping[int, Collection[int]] | None, state: _HybridPlan | None, which: str
@@ -531,14 +769,67 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
             out[group - 1] = named
         return out
 
+    def poll_loads(self) -> list[LoadResult]:
+        """Storage reads of every group that finished (or timed out) since the last poll. Never waits.
+
+        Group 0's results first, as the tiered manager reports them; then each local group's, with
+        ``group`` set (its ``blocks`` are that group's device blocks). An admission settles once every
+        group's reads and copies are reported.
+        """
+        results = super().poll_loads()
+        if not any(self._group_storages):
+            return results
+        taken = self._open.id  # plans with a smaller id were handed out
+        held, self._held_group_results = self._held_group_results, []
+        finished = [
+            (number, request, outcome)
+            for number, storage in enumerate(self._group_storages)
+            if storage is not None
+            for request, outcome in storage.take_results()
+        ]
+        for number, request, outcome in held + finished:
+            admission = self._group_loads.get((number, request))
+            if admission is None:
+                continue  # cancelled or timed out: its blocks may belong to someone else now
+            if admission.load_plan >= taken:
+                self._held_group_results.append((number, request, outcome))
+                continue
+            del self._group_loads[number, request]
+            results.append(self._local_loaded(admission, number, outcome, timed_out=False))
+        now = time.monotonic()
+        for (number, request), admission in list(self._group_loads.items()):
+            if admission.deadline <= now and admission.load_plan < taken:
+                del self._group_loads[number, request]
+                storage: StorageTier = self._group_storages[number]  # type: ignore[assignment]
+                storage.cancel(request)
+                storage.note_timeout(len(admission.local_loads[number]))
+                results.append(self._local_loaded(admission, number, LoadOutcome(()), timed_out=True))
+        return results
+
+    def _local_loaded(
+        self, admission: _HybridAdmission, number: int, outcome: LoadOutcome, *, timed_out: bool
+    ) -> LoadResult:
+        """Local group ``number``'s read of ``admission`` is reported: its leading run landed."""
+        loads = admission.local_loads[number]
+        payloads = outcome.payloads[: len(loads)]
+        landed = loads[: len(payloads)]
+        admission.local_loaded[number] = {p for _, p in landed}
+        admission.local_requests[number] = -1
+        result = LoadResult(
+            admission.seq_id, tuple(d for d, _ in landed), payloads, len(loads), timed_out, group=number + 1
+        )
+        self._finish(admission)
+        return result
+
     def _settled(self, admission: _Admission) -> bool:
-        return super()._settled(admission) and admission.local_ok is not None  # type: ignore[attr-defined]
+        hybrid: _HybridAdmission = admission  # type: ignore[assignment]
+        return super()._settled(admission) and hybrid.local_ok is not None and None not in hybrid.local_loaded
 
     def _loads_useless(self, admission: _Admission) -> bool:
         if super()._loads_useless(admission):
             return True
         hybrid: _HybridAdmission = admission  # type: ignore[assignment]
-        if hybrid.local_ok is None:
+        if hybrid.local_ok is None or None in hybrid.local_loaded:
             return False
         start = admission.device + len(admission.host_blocks)
         return self._common_usable(hybrid, hybrid.hit) <= start
@@ -549,14 +840,17 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
     def _common_usable(self, admission: _HybridAdmission, group0: int) -> int:
         """The longest hit at most ``group0`` blocks that every local group serves with the blocks it got."""
         ok: list[set[int]] = admission.local_ok  # type: ignore[assignment]
-        failed = any(len(done) < len(swaps) for done, swaps in zip(ok, admission.local_swaps, strict=True))
+        loaded: list[set[int]] = admission.local_loaded  # type: ignore[assignment]  # settled
+        failed = any(len(done) < len(swaps) for done, swaps in zip(ok, admission.local_swaps, strict=True)) or any(
+            len(got) < len(loads) for got, loads in zip(loaded, admission.local_loads, strict=True)
+        )
         if not failed and group0 == admission.hit:
             return group0
         answers = []
         for number, local in enumerate(self._locals):
-            moved = {p for _, _, p in admission.local_swaps[number]}
+            moved = {p for _, _, p in admission.local_swaps[number]} | {p for _, p in admission.local_loads[number]}
             held = {p for p in needed_blocks(local.rule, admission.hit * self._block_size) if p not in moved}
-            held |= ok[number]
+            held |= ok[number] | loaded[number]
             answers.append(held.__contains__)
         size = self._block_size
         return longest_common_hit([local.rule for local in self._locals], group0 * size, answers) // size
@@ -600,13 +894,54 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
                 host.clear()
         return True
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every group's queued storage writes are done (shutdown, tests). True if they are."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = True
+        for storage in (*self._group_storages, self._storage):
+            if storage is not None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done = storage.flush(left) and done
+        return done
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Stop every group's storage threads (queued writes get ``timeout`` seconds each), then close the
+        backend (group 0's tier owns it)."""
+        for storage in self._group_storages:
+            if storage is not None:
+                storage.close(timeout)
+        super().close(timeout)
+
     def check_integrity(self) -> None:
         """The tiered checks for group 0, and per local group: pool, index, tables (deferred releases
-        counted), host tier and the pending copies."""
+        counted), host tier, the pending copies and storage reads."""
         super().check_integrity()  # the tiered checks (group 0), then the hybrid ones (every group's tables)
         plans: list[_HybridPlan] = [self._open, *self._inflight.values()]  # type: ignore[list-item]
         for number, local in enumerate(self._locals):
             self._check_local(number, local, plans)
+            self._check_local_loads(number, local)
+
+    def _check_local_loads(self, number: int, local: _Local) -> None:
+        """Local group ``number``'s pending storage reads belong to pending admissions and fill their tables."""
+        group = number + 1
+        for (load_group, request), reader in self._group_loads.items():
+            if load_group == number and (
+                self._admissions.get(id(reader.seq)) is not reader or reader.local_requests[number] != request
+            ):
+                raise IntegrityError(f"group {group}: storage read {request} belongs to no pending admission")
+        for admission in self._admissions.values():
+            hybrid: _HybridAdmission = admission  # type: ignore[assignment]  # every admission here is one
+            request = hybrid.local_requests[number]
+            if request >= 0 and self._group_loads.get((number, request)) is not hybrid:
+                raise IntegrityError(f"group {group}: {admission.seq_id!r}'s storage read is not tracked")
+            if hybrid.local_loaded[number] is not None:
+                continue
+            table = local.tables[id(admission.seq)]
+            for device_block, position in hybrid.local_loads[number]:
+                if table[position] != device_block:
+                    raise IntegrityError(f"group {group}: {admission.seq_id!r} lost the block a load fills")
+                if local.index.hash_of(device_block) is not None:
+                    raise IntegrityError(f"group {group}: block {device_block} is findable before its load landed")
 
     def _count_other_local_holders(self, index: int, expected: list[int]) -> None:
         """Blocks of a local group held for a plan's deferred release (a sequence freed mid-copy)."""
@@ -643,3 +978,13 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
                     raise IntegrityError(f"group {group}: {admission.seq_id!r} lost the block a swap-in fills")
                 if local.index.hash_of(device_block) is not None:
                     raise IntegrityError(f"group {group}: block {device_block} is findable before its copy landed")
+
+
+def _nowhere(block_hash: BlockHash) -> int | None:
+    """A tier that holds nothing."""
+    return None
+
+
+def _never(block_hash: BlockHash) -> bool:
+    """A storage tier that knows of nothing."""
+    return False

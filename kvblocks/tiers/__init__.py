@@ -7,7 +7,7 @@ moves tensors, is loaded on first use (and needs the ``torch`` extra).
 from typing import Any
 
 from kvblocks.tiers.config import HOST_POLICIES, STORAGE_POLICIES, TierConfig
-from kvblocks.tiers.entry import EntryFormat, block_key, namespace_tag
+from kvblocks.tiers.entry import EntryFormat, block_key, group_tag, namespace_tag
 from kvblocks.tiers.file_storage import FileStorage
 from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.manager import TieredKVCacheManager, TierStats
@@ -41,6 +41,7 @@ __all__ = [
     "TransferPlan",
     "WriterStats",
     "block_key",
+    "group_tag",
     "namespace_tag",
     "usable_prefix",
 ]

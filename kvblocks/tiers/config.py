@@ -56,7 +56,11 @@ class TierConfig:
     """Block hashes remembered as stored (what ``lookup`` reports without asking the backend)."""
     group_host_blocks: tuple[int, ...] = ()
     """A hybrid manager's host blocks per local group, in group order (groups 1, 2, ...); empty: the
-    local groups have no host tier. ``host_policy`` applies to them; storage serves group 0 only."""
+    local groups have no host tier. ``host_policy`` applies to them."""
+    group_entry_formats: tuple[EntryFormat, ...] = ()
+    """A hybrid manager's entry format per local group, in group order (``EntryFormat.for_spec`` of the
+    group's own spec): each local group then stores its blocks under keys of its own in ``storage``,
+    with ``storage_policy``. Empty: storage serves group 0 only. Ignored without ``storage``."""
 
     def __post_init__(self) -> None:
         _int_at_least(self.num_host_blocks, 0, "num_host_blocks")
@@ -98,6 +102,23 @@ class TierConfig:
         for count in per_group:
             _int_at_least(count, 0, "every group_host_blocks entry")
         object.__setattr__(self, "group_host_blocks", per_group)
+        object.__setattr__(self, "group_entry_formats", self._group_formats())
+
+    def _group_formats(self) -> tuple[EntryFormat, ...]:
+        """``group_entry_formats`` as a tuple of formats; raises :class:`ConfigError` for anything else."""
+        given = self.group_entry_formats
+        if isinstance(given, (str, bytes)):
+            raise ConfigError("group_entry_formats must be a sequence of EntryFormat")
+        try:
+            formats = tuple(given)
+        except TypeError:
+            raise ConfigError(f"group_entry_formats must be a sequence of EntryFormat, got {given!r}") from None
+        for entry_format in formats:
+            if not isinstance(entry_format, EntryFormat):
+                raise ConfigError(
+                    f"every group_entry_formats entry must be an EntryFormat, got {type(entry_format).__name__}"
+                )
+        return formats
 
     @property
     def host_enabled(self) -> bool:

@@ -29,7 +29,7 @@ from kvblocks.backends.spec import KVCacheSpec
 from kvblocks.errors import ConfigError, InvalidArgumentError, InvalidBlockHashError
 from kvblocks.hashing import BlockHash, Namespace
 
-__all__ = ["FORMAT_VERSION", "HEADER", "EntryFormat", "block_key", "namespace_tag", "valid_key"]
+__all__ = ["FORMAT_VERSION", "HEADER", "EntryFormat", "block_key", "group_tag", "namespace_tag", "valid_key"]
 
 MAGIC = b"KVBENTRY"
 FORMAT_VERSION = 1
@@ -40,6 +40,19 @@ _KEY = re.compile(r"^[a-z0-9][a-z0-9.\-]{0,250}$")
 def namespace_tag(namespace: str | Namespace, scheme: str, block_size: int) -> str:
     """16 hex digits naming a key space: the namespace, scheme and block size that produced the hashes."""
     return Namespace.of(namespace).tag(scheme, block_size)
+
+
+def group_tag(tag: str, group: int, kind: str, block_size: int, span: int) -> str:
+    """16 hex digits naming the key space of a hybrid manager's local group ``group`` under ``tag``.
+
+    A local group's block and a full-attention block under the same chain hash hold different KV,
+    so each local group stores under a tag of its own: its index, kind, block size and span.
+
+    >>> group_tag("0123456789abcdef", 1, "sliding_window", 16, 4096) != "0123456789abcdef"
+    True
+    """
+    material = f"kvblocks-group.{tag}.{group}.{kind}.{block_size}.{span}".encode()
+    return f"{xxhash.xxh3_64_intdigest(material):016x}"
 
 
 def block_key(tag: str, scheme: str, block_hash: BlockHash, rank: int | None = None) -> str:

@@ -83,14 +83,29 @@ class _Request:
 class StorageTier:
     """Keys, index, writer and reader of one manager's storage tier (see the module docstring)."""
 
-    def __init__(self, config: TierConfig, namespace: Namespace, scheme: str, block_size: int) -> None:
-        if config.storage is None or config.entry_format is None:
+    def __init__(
+        self,
+        config: TierConfig,
+        namespace: Namespace,
+        scheme: str,
+        block_size: int,
+        *,
+        entry_format: EntryFormat | None = None,
+        tag: str | None = None,
+        owns_backend: bool = True,
+    ) -> None:
+        """``entry_format`` / ``tag`` (default: the config's format, the namespace's tag) let a hybrid
+        manager's local group store under keys and a header of its own in the same backend; only the
+        tier that ``owns_backend`` closes it."""
+        entry_format = entry_format if entry_format is not None else config.entry_format
+        if config.storage is None or entry_format is None:
             raise ConfigError("StorageTier needs a TierConfig with storage and entry_format")
         self.backend: StorageBackend = config.storage
-        self.format: EntryFormat = config.entry_format
+        self.format: EntryFormat = entry_format
         self.timeout_s = float(config.storage_timeout_s)
         self._scheme = scheme
-        self._tag = namespace_tag(namespace, scheme, block_size)
+        self._tag = tag if tag is not None else namespace_tag(namespace, scheme, block_size)
+        self._owns_backend = owns_backend
         self._ranks: tuple[int | None, ...] = config.ranks or (None,)
         self._index: OrderedDict[BlockHash, None] = OrderedDict()
         self._index_size = config.storage_index_size
@@ -157,6 +172,30 @@ class StorageTier:
                 self._index.pop(h, None)
 
     # ------------------------------------------------------------------ writes
+
+    def check_payloads(self, hashes: Sequence[BlockHash], payloads: Sequence[object]) -> None:
+        """Raise :class:`InvalidArgumentError` where :meth:`save` would refuse these payloads. Copies nothing.
+
+        Lets a caller that saves for several tiers at once refuse before any of them queued a write.
+        """
+        shards = len(self._ranks)
+        if len(payloads) != len(hashes):
+            raise InvalidArgumentError(f"{len(hashes)} blocks to save but {len(payloads)} payloads")
+        length = self.format.payload_length
+        for payload in payloads:
+            try:
+                parts: tuple[Any, ...] = (payload,) if shards == 1 else tuple(payload)  # type: ignore[arg-type]
+            except TypeError:
+                raise InvalidArgumentError(f"expected one payload per rank ({shards})") from None
+            if len(parts) != shards:
+                raise InvalidArgumentError(f"expected one payload per rank ({shards}), got {len(parts)}")
+            for part in parts:
+                try:
+                    size = memoryview(part).cast("B").nbytes
+                except (TypeError, ValueError) as e:
+                    raise InvalidArgumentError(f"payload of a block to save: {e}") from None
+                if size != length:
+                    raise InvalidArgumentError(f"payload of a block to save is {size} bytes, the format says {length}")
 
     def save(self, hashes: Sequence[BlockHash], payloads: Sequence[object]) -> None:
         """Queue entries for ``hashes``: each payload is the block's bytes, or one per rank.
@@ -352,7 +391,7 @@ class StorageTier:
         return self.writer.flush(timeout)
 
     def close(self, timeout: float | None = 5.0) -> None:
-        """Stop both threads (queued writes get ``timeout`` seconds) and close the backend."""
+        """Stop both threads (queued writes get ``timeout`` seconds) and close the backend if this tier owns it."""
         if self._closed:
             return
         self._closed = True
@@ -360,4 +399,5 @@ class StorageTier:
         self.writer.close(timeout)
         self._requests.put(None)
         self._reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self.backend.close()
+        if self._owns_backend:
+            self.backend.close()

@@ -59,10 +59,11 @@ class BlockSave:
 
 @dataclass(frozen=True, slots=True)
 class GroupTransfers:
-    """The host-tier copies of one local layer group of a hybrid manager (its own device and host blocks).
+    """The copies of one local layer group of a hybrid manager (its own device and host blocks, its own storage keys).
 
     Block ids index that group's device cache and that group's host cache; run them in the plan's
-    order (every group's swap-outs before its swap-ins).
+    order, as group 0's: saves, then swap-outs, then swap-ins. Hand the saves' payloads back with
+    ``complete_transfers(plan, saved_groups={group: [...]})``.
     """
 
     group: int
@@ -70,9 +71,11 @@ class GroupTransfers:
     """(device block, host block) pairs of group ``group``."""
     swap_ins: tuple[tuple[int, int], ...] = ()
     """(host block, device block) pairs of group ``group``."""
+    saves: tuple[BlockSave, ...] = ()
+    """Blocks of group ``group`` (device or host) to write to that group's storage keys."""
 
     def __bool__(self) -> bool:
-        return bool(self.swap_outs or self.swap_ins)
+        return bool(self.saves or self.swap_outs or self.swap_ins)
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,8 @@ class LoadResult:
     """A finished storage read for one admitted sequence.
 
     ``payloads[i]`` (one bytes view per tensor-parallel rank) goes into device block
-    ``blocks[i]``; write them before the sequence's next forward pass. Blocks the read
+    ``blocks[i]`` of group ``group``'s cache (0: the full-attention layers of a hybrid manager,
+    every layer of a plain one); write them before the sequence's next forward pass. Blocks the read
     could not provide are not listed: when ``len(blocks) < requested`` the sequence's
     table was cut back and its remaining tokens must be computed (allocate them again).
     """
@@ -111,6 +115,7 @@ class LoadResult:
     payloads: tuple[tuple[memoryview, ...], ...]
     requested: int
     timed_out: bool = False
+    group: int = 0
 
     @property
     def complete(self) -> bool:

@@ -20,7 +20,8 @@ Incremental: the builder keeps one host row per sequence (numpy), copies only th
 since the last build (or rewrites a row whose table shrank at its tail or was replaced by a new
 admission), and assembles a batch with one vectorised gather per array and one host-to-device copy per
 array (from pinned buffers on CUDA). Rows of sequences that left are reused. Between two builds a table
-may grow, shrink at its tail, or be replaced -- what one ``step``/``allocate`` per sequence does.
+may grow, shrink at its tail or be replaced (a readmission) -- what ``step``/``allocate`` do; a tail shrunk
+and grown back to the same length by two calls between builds is seen by its last block id changing.
 
 Hybrid managers: one table and one slot mapping per attention group -- full attention (0) and each
 local group, whose blocks may be larger. A sliding-window or chunked-local group's released positions
@@ -92,11 +93,11 @@ class _Group:
 
     __slots__ = ("block_size", "cleared", "copied", "last", "lengths", "local", "ratio", "rows")
 
-    def __init__(self, block_size: int, ratio: int, local: Any, capacity: int) -> None:
+    def __init__(self, block_size: int, ratio: int, local: Any, capacity: int, width: int) -> None:
         self.block_size = block_size
         self.ratio = ratio  # chain blocks per group block
         self.local = local  # the hybrid manager's local group state (tables, released), None for group 0
-        self.rows: _Rows = np.full((capacity, 16), PAD, dtype=np.int32)
+        self.rows: _Rows = np.full((capacity, width), PAD, dtype=np.int32)
         self.copied = [0] * capacity  # ids the row holds
         self.lengths = np.zeros(capacity, dtype=np.int64)  # the same, for the batch's widest table in one call
         self.last = [PAD] * capacity  # the last id copied: a changed tail shows there
@@ -173,6 +174,9 @@ class StepMetadataBuilder:
     ([[0, 1]], [0, 1, 2, 3, 4, 5], [0, 6])
     """
 
+    _ROWS = 64  # rows (sequences) and table width to start with; both double when needed
+    _WIDTH = 16
+
     def __init__(self, manager: KVCacheManager, device: str | torch.device = "cpu") -> None:
         if not isinstance(manager, KVCacheManager):
             raise InvalidArgumentError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
@@ -180,9 +184,9 @@ class StepMetadataBuilder:
         self._device = torch.device(device)
         locals_ = list(getattr(manager, "_locals", ()))  # a hybrid manager's local groups (1, 2, ...)
         self._groups = (0, *range(1, 1 + len(locals_)))
-        capacity = 64
-        self._full = _Group(manager.block_size, 1, None, capacity)
-        self._locals = [_Group(g.block_size, g.ratio, g, capacity) for g in locals_]
+        capacity, width = self._ROWS, self._WIDTH
+        self._full = _Group(manager.block_size, 1, None, capacity, width)
+        self._locals = [_Group(g.block_size, g.ratio, g, capacity, width) for g in locals_]
         self._all = [self._full, *self._locals]
         self._row_of: dict[Hashable, int] = {}
         self._owner: list[list[int] | None] = [None] * capacity  # row -> the table it mirrors

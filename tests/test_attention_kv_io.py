@@ -248,3 +248,17 @@ def test_paged_attention_on_the_metadata_equals_dense_attention(block_major: boo
     assert compared == 13 * 3 * len(caches)
     if hybrid:  # the window group released blocks: the kernels above never needed them
         assert -1 in m.group_block_table("c", 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
+def test_on_cuda_writes_and_gathers_match_the_cpu(arrangement) -> None:
+    block_major, layout = arrangement
+    on_cpu = make_cache(block_major=block_major, layout=layout)
+    on_gpu = get_backend("cuda").allocate(on_cpu.spec, on_cpu.num_blocks)
+    on_gpu.storage.copy_(on_cpu.storage)
+    slots, key, value = torch.tensor([3, 17, 8]), torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    write_kv(on_cpu, 1, slots, key, value)
+    write_kv(on_gpu, 1, slots.cuda(), key.cuda(), value.cuda())
+    assert torch.equal(on_gpu.storage.cpu(), on_cpu.storage)
+    assert torch.equal(gather_kv(on_gpu, 1, [0, 4, 2], 10)[0].cpu(), gather_kv(on_cpu, 1, [0, 4, 2], 10)[0])

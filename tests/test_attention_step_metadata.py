@@ -354,3 +354,26 @@ class StepMetadataMachine(RuleBasedStateMachine):
 
 StepMetadataMachine.TestCase.settings = settings(max_examples=250, stateful_step_count=30, deadline=None)
 test_step_metadata_machine = StepMetadataMachine.TestCase
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_tensors_equal_the_cpu_ones_over_many_steps() -> None:
+    """Pinned staging, one copy per array, and staging reused only after the last copies ran."""
+    m = KVCacheManager(num_blocks=4096, block_size=16)
+    ids = list(range(64))
+    for i in ids:
+        m.add_sequence(i, [i, *range(40)])
+        m.allocate(i, 41)
+    on_cpu, on_gpu = StepMetadataBuilder(m), StepMetadataBuilder(m, "cuda")
+    queries = [41] * 64
+    kept = []
+    for step in range(30):
+        cpu_meta, gpu_meta = on_cpu.build(ids, queries), on_gpu.build(ids, queries)
+        assert gpu_meta.block_table.is_cuda and gpu_meta.slot_mapping.is_cuda
+        for name in ("block_table", "slot_mapping", "positions", "seq_lens", "query_start_loc"):
+            assert torch.equal(getattr(gpu_meta, name).cpu(), getattr(cpu_meta, name)), name
+        kept.append((gpu_meta.slot_mapping, cpu_meta.slot_mapping.clone()))
+        m.step(ids, [m.num_allocated_tokens(i) for i in ids], [[step]] * 64)
+        queries = [1] * 64
+    for gpu, cpu in kept:  # earlier steps' device tensors were not overwritten by later builds
+        assert torch.equal(gpu.cpu(), cpu)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvblocks import KVCacheManager
 from kvblocks.attention import StepMetadataBuilder
+from kvblocks.hybrid import HybridKVCacheManager, LocalGroup
 
 from .paired import paired_ratio
 
@@ -19,9 +22,13 @@ BLOCK_SIZE = 16
 PROMPT = [random.Random(15).randrange(50_000) for _ in range(512)]
 
 
-def _running():
+def _running(hybrid: bool = False):
     """``RUNNING`` sequences with 513-token prompts, admitted and committed: ready to decode."""
-    m = KVCacheManager(num_blocks=1 << 15, block_size=BLOCK_SIZE)
+    if hybrid:  # plus a 128-token sliding window group: two tables and two slot mappings a step
+        window = LocalGroup("sliding_window", span=128, num_blocks=1 << 14)
+        m: KVCacheManager = HybridKVCacheManager(1 << 15, BLOCK_SIZE, local_groups=[window])
+    else:
+        m = KVCacheManager(num_blocks=1 << 15, block_size=BLOCK_SIZE)
     for i in range(RUNNING):
         m.add_sequence(i, [i, *PROMPT])
         m.allocate(i, 513)
@@ -29,9 +36,12 @@ def _running():
     return m
 
 
-def test_decode_step_metadata_256_paired(benchmark) -> None:
-    """One decode step of 256 sequences: ``build`` (the subject) right after the manager's ``step`` (the baseline)."""
-    m = _running()
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid-window"])
+def test_decode_step_metadata_256_paired(benchmark, hybrid: bool) -> None:
+    """One decode step of 256 sequences: ``build`` (the subject) right after the manager's ``step`` (the baseline).
+
+    The bar (1.0) is the plain manager's; the hybrid one (a sliding-window group beside) is reported."""
+    m = _running(hybrid)
     ids = list(range(RUNNING))
     sampled = [(7,)] * RUNNING
     ones = [1] * RUNNING
@@ -50,12 +60,12 @@ def test_decode_step_metadata_256_paired(benchmark) -> None:
 
     ratio = paired_ratio(
         benchmark,
-        "step-metadata-256-paired",
+        f"step-metadata-256-{'hybrid' if hybrid else 'plain'}-paired",
         "metadata build",
         step,
         build,
-        baseline_name="manager step, 256 decodes",
-        target=1.0,
+        baseline_name=f"{'hybrid ' if hybrid else ''}manager step, 256 decodes",
+        target=None if hybrid else 1.0,
         rounds=101,
     )
     assert ratio > 0 and built and set(built) == {RUNNING}

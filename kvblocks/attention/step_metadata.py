@@ -230,7 +230,7 @@ class StepMetadataBuilder:
         full = self._full
         copied = full.copied
         last = full.last
-        locals_ = self._locals
+        locals_ = [(g, g.local.tables, g.local.released, g.copied, g.last, g.cleared) for g in self._locals]
         rows: list[int] = []
         starts: list[int] = []
         queries: list[int] = []
@@ -254,9 +254,11 @@ class StepMetadataBuilder:
                 full.sync(row, table, 0)
             if locals_:
                 key = id(s)
-                for group in locals_:
-                    local = group.local
-                    group.sync(row, local.tables[key], local.released[key])
+                for group, tables, released, done, ends, cleared in locals_:
+                    local_table = tables[key]
+                    gone = released[key]
+                    if len(local_table) != done[row] or local_table[-1] != ends[row] or gone != cleared[row]:
+                        group.sync(row, local_table, gone)
             rows.append(row)
             starts.append(start)
             queries.append(query)

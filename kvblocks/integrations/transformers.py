@@ -33,12 +33,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from transformers import AttentionInterface
+from kvblocks.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidTokenError,
+)
+
+try:
+    import torch
+    from transformers import AttentionInterface
+except ImportError as missing:  # one message naming the extra, as the torch backends give
+    raise BackendUnavailableError(
+        f'kvblocks.integrations.transformers needs torch and transformers: pip install "kvblocks[transformers]" '
+        f"({missing})"
+    ) from missing
 
 from kvblocks.backends import KVCacheSpec, get_backend
 from kvblocks.backends.cache import KVCache
-from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, InvalidTokenError
 from kvblocks.hybrid import HybridKVCacheManager, LocalGroup
 from kvblocks.manager import KVCacheManager
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import random
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -156,7 +158,7 @@ def test_a_pool_that_holds_one_request_but_not_all_gives_the_same_tokens(family:
     assert gen.manager.stats.blocks_in_use == 0
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     st.data(),
     st.sampled_from(["llama", "qwen2", "mistral"]),
@@ -234,6 +236,20 @@ def test_unsupported_models_and_settings_are_refused() -> None:
     odd.config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ConfigError, match="linear_attention"):
         PagedGenerator(odd, num_blocks=8)
+
+
+def test_without_transformers_the_import_names_the_extra() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['transformers'] = None  # as if transformers were not installed\n"
+        "import kvblocks.integrations\n"
+        "try:\n"
+        "    import kvblocks.integrations.transformers\n"
+        "except kvblocks.BackendUnavailableError as error:\n"
+        "    print(error)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert 'pip install "kvblocks[transformers]"' in out
 
 
 def test_the_paged_attention_refuses_a_forward_outside_the_generator() -> None:

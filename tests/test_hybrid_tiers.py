@@ -300,19 +300,24 @@ GARBAGE = "garbage"
 class HybridTiersMachine(RuleBasedStateMachine):
     """Scheduling calls, plans run in order (with failed copies), commits; a shadow of every block's content."""
 
+    HOSTS = (8, 6, 4)  # host blocks per group
+
+    def tiers(self) -> TierConfig:
+        return TierConfig(num_host_blocks=self.HOSTS[0], group_host_blocks=self.HOSTS[1:])
+
     def __init__(self) -> None:
         super().__init__()
         self.m = TieredHybridKVCacheManager(
             14,
             B,
-            tiers=TierConfig(num_host_blocks=8, group_host_blocks=(6, 4)),
+            tiers=self.tiers(),
             local_groups=[
                 LocalGroup("sliding_window", span=6, num_blocks=10),
                 LocalGroup("chunked_local", span=16, num_blocks=6, block_size=8),
             ],
         )
         self.device: list[list[object]] = [[None] * n for n in (14, 10, 6)]
-        self.host: list[list[object]] = [[None] * n for n in (8, 6, 4)]
+        self.host: list[list[object]] = [[None] * n for n in self.HOSTS]
         self.plan: object = None
         self.scheduled = False  # scheduling calls since the last plan was taken: a forward pass waits for it
         self.next_id = 0
@@ -454,7 +459,7 @@ class HybridTiersMachine(RuleBasedStateMachine):
                     if b != PLACEHOLDER:
                         assert self.device[g][b] == keys[p], (seq, g, p)
         for g in range(3):
-            host = m.group_host(g)
+            host = m.group_host(g) if self.HOSTS[g] else None
             for key in self.all_keys[g]:
                 b = m.tree.block_of(key) if g == 0 else m._locals[g - 1].index.block_of(key)  # type: ignore[arg-type]
                 if b is not None:
@@ -730,6 +735,59 @@ def test_a_freed_sequences_local_loads_are_dropped_and_its_blocks_go_back(closin
     m.check_integrity()
 
 
+class StuckStorage(MemoryStorage):
+    """Reads of keys under ``stuck_tag`` wait until ``gate`` opens (a backend that stopped answering)."""
+
+    stuck_tag = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        if any(key.split(".")[1] == self.stuck_tag for key in keys):
+            self.gate.wait(5)
+        return super().get(keys)
+
+
+def test_a_local_load_that_outlives_its_timeout_is_a_miss_and_stops_that_groups_storage_hits(closing) -> None:
+    storage = StuckStorage()
+    m = TieredHybridKVCacheManager(
+        20,
+        B,
+        tiers=TierConfig(
+            storage=storage, entry_format=FORMATS[0], group_entry_formats=FORMATS[1:], storage_timeout_s=0.05
+        ),
+        local_groups=TWO_LOCALS,
+    )
+    closing.append(m)
+    sim = HybridSim(m)
+    sim.serve("a", A)
+    m.add_sequence("b", OTHER)
+    assert m.allocate("b", 17) is not None  # evicts the local groups' blocks only
+    sim.run_plan()
+    m.free("b")
+    assert m.flush(5)
+    storage.stuck_tag = m.group_storage(1).keys_of(0)[0].split(".")[1]  # type: ignore[union-attr]
+    m.add_sequence("c", A)
+    assert m.lookup("c") == CachedTokens(device=16, num_prompt_tokens=17)
+    assert m.allocate("c", 1) is not None
+    sim.wait_ready("c")
+    (result,) = sim.results
+    assert result.group == 1 and result.timed_out and result.blocks == () and result.requested == 2
+    assert m.num_computed_tokens("c") == 0 and m.group_block_table("c", 1) == []  # the window had nothing else
+    assert not m.group_storage(1).healthy and m.group_storage(0).healthy  # type: ignore[union-attr]
+    assert m.tier_stats.storage.load_timeouts == 0  # type: ignore[union-attr]  # group 0's tier
+    assert m.group_storage(1).stats.load_timeouts == 2  # type: ignore[union-attr]
+    m.add_sequence("d", A)
+    assert m.lookup("d").total == 0  # no storage hits from group 1 until it answers again
+    m.check_integrity()
+    storage.gate.set()
+    assert m.group_storage(1).wait_idle(5)  # type: ignore[union-attr]
+    assert m.lookup("d") == CachedTokens(device=16, num_prompt_tokens=17)
+    assert sim.poll() == []  # the late answer of the timed-out read is dropped
+
+
 def test_local_saves_without_payloads_are_dropped_and_counted_and_bad_payloads_change_nothing(closing) -> None:
     storage = MemoryStorage()
     m = make_stored(storage, policy="write-through", full=20)
@@ -779,3 +837,93 @@ def test_group_entry_formats_are_checked() -> None:
     with pytest.raises(ConfigError):
         make_stored(MemoryStorage(), locals_=TWO_LOCALS[:1] * 3)  # 3 local groups, 2 formats
     assert TierConfig(group_entry_formats=[FORMATS[1]]).group_entry_formats == (FORMATS[1],)
+
+
+class HybridStorageMachine(HybridTiersMachine):
+    """The machine above with every group's storage (small host tiers: saves are frequent), entries lost at
+    random (short reads), and a shadow of what every stored entry must hold."""
+
+    HOSTS = (3, 2, 0)
+
+    def tiers(self) -> TierConfig:
+        self.storage = MemoryStorage()
+        return TierConfig(
+            num_host_blocks=self.HOSTS[0],
+            group_host_blocks=self.HOSTS[1:],
+            storage=self.storage,
+            entry_format=FORMATS[0],
+            group_entry_formats=FORMATS[1:],
+        )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owner: dict[str, tuple[int, object]] = {}  # storage key -> (group, chain hash)
+        self.payload_of: dict[bytes, object] = {}  # a stored payload -> the key whose KV it is
+        for g in range(3):
+            storage = self.m.group_storage(g)
+            for key in self.all_keys[g]:
+                self.owner[storage.keys_of(key)[0]] = (g, key)  # type: ignore[union-attr]
+                self.payload_of[kv(g, key)] = key
+
+    def teardown(self) -> None:
+        self.m.close(timeout=1)
+
+    def settle(self) -> None:
+        """Every queued write and read is done, so what the manager sees no longer depends on thread timing."""
+        for g in range(3):
+            storage = self.m.group_storage(g)
+            assert storage is not None and storage.flush(5) and storage.wait_idle(5)
+
+    def _admit(self, seq: int, lookahead: int) -> None:
+        self.settle()
+        super()._admit(seq, lookahead)
+
+    def _payload(self, g: int, content: object) -> bytes:
+        return kv(g, content) if content in self.all_keys[g] else b"\xee" * PAYLOAD
+
+    def _complete(self, data: st.DataObject) -> None:
+        """Saves read every group's memories first (the plan's order), then the copies run, then loads land."""
+        plan: TransferPlan = self.plan  # type: ignore[assignment]
+        saves = [(0, plan.saves), *((t.group, t.saves) for t in plan.groups)]
+        payloads = {
+            g: [self._payload(g, (self.device if s.tier == "device" else self.host)[g][s.block]) for s in group]
+            for g, group in saves
+        }
+        real = self.m.complete_transfers
+
+        def with_payloads(plan: TransferPlan, **kwargs: object) -> None:
+            dropped = data.draw(st.integers(0, 9)) == 0  # sometimes the engine hands back no payloads
+            real(
+                plan,
+                saved=None if dropped else payloads[0],
+                saved_groups=None if dropped else {g: payloads[g] for g in (1, 2)},
+                **kwargs,  # type: ignore[arg-type]
+            )
+
+        self.m.complete_transfers = with_payloads  # type: ignore[method-assign]
+        try:
+            super()._complete(data)
+        finally:
+            del self.m.complete_transfers
+        self.settle()
+        for result in self.m.poll_loads():
+            for block, parts in zip(result.blocks, result.payloads, strict=True):
+                self.device[result.group][block] = self.payload_of.get(bytes(parts[0]), GARBAGE)
+
+    @rule(data=st.data())
+    def lose(self, data: st.DataObject) -> None:
+        """Another node's budget evicts a stored entry: the index still promises it, the read is short."""
+        self.settle()
+        keys = sorted(self.storage._entries)
+        if keys:
+            self.storage.delete([data.draw(st.sampled_from(keys))])
+
+    @invariant()
+    def stored_entries_hold_their_keys_kv(self) -> None:
+        for key, value in list(self.storage._entries.items()):
+            g, block_hash = self.owner[key]
+            assert FORMATS[g].decode(value) == (kv(g, block_hash), ""), (g, block_hash)
+
+
+TestHybridStorageMachine = HybridStorageMachine.TestCase
+TestHybridStorageMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)

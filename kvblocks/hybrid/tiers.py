@@ -344,6 +344,8 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         if host is None and storage is None:
             return lambda p: p < count and on_device(keys[p]) is not None
         on_host = host.block_of if host is not None else _nowhere
+        if storage is None:
+            return lambda p: p < count and (on_device(keys[p]) is not None or on_host(keys[p]) is not None)
         stored = storage.is_known if storage is not None else _never
 
         def served(p: int) -> bool:

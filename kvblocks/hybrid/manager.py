@@ -25,9 +25,10 @@ table whose positions outside its window hold :data:`PLACEHOLDER` once released:
 
 Groups are numbered 0 (full attention), then the local groups in the order given, then the recurrent
 groups. A local group's blocks may be a multiple of the manager's block size (:class:`LocalGroup`).
-Every group's events are tagged with its index and kind. What is left for later (issue 14):
-the tiers over hybrid layouts. Cross-attention groups (:mod:`kvblocks.hybrid.cross`) hold each
-sequence's encoder K/V blocks, never cached; they come after the recurrent groups.
+Cross-attention groups (:mod:`kvblocks.hybrid.cross`) hold each sequence's encoder K/V blocks,
+never cached; they come after the recurrent groups. Every group's events are tagged with its index and
+kind. Attention groups have host and storage tiers (:mod:`kvblocks.hybrid.tiers`); recurrent groups
+have none yet.
 """
 
 from __future__ import annotations

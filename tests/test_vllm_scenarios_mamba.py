@@ -23,6 +23,13 @@ The differences met throughout (docs/hybrid.md, kvblocks/hybrid/recurrent.py):
 
 Per-group eviction of chosen hashes is mocked as vLLM does it (pop the hash from the group's map around a
 pure lookup, then put it back).
+
+Translated elsewhere: ``test_prefill_hybrid_model_eagle``, ``test_prefill_hybrid_model_combinations_eagle``,
+``test_block_stored_event_group_idx`` (with its Mamba case), ``..._multiple_groups``,
+``test_block_removed_event_group_idx`` and the window versions of ``test_different_block_size`` and
+``test_hybrid_cache_blocks_clamped_to_lcm`` are in tests/test_vllm_scenarios_hybrid_more.py (hybrid EAGLE,
+tagged events per group and coarser local groups are supported now); its docstring lists what is still
+not translated and why.
 """
 
 from __future__ import annotations

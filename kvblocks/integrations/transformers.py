@@ -12,8 +12,10 @@ and across calls, and preemption with recomputation when the pool runs short::
 The model's attention modules call the attention function registered here as ``"kvblocks"``
 (transformers' ``AttentionInterface``): it writes the step's new K/V into their slots of a
 kvblocks ``KVCache`` and attends over each sequence's context read back through its block
-table. Everything else -- projections, rotary embeddings, q/k norms, biases, GQA, the MLP --
-stays the model's own code, so the outputs are the model's.
+table -- the step's tensors from :class:`~kvblocks.attention.StepMetadataBuilder`, the K/V
+through :func:`~kvblocks.attention.write_kv` and :func:`~kvblocks.attention.gather_kv`. Everything else -- projections,
+rotary embeddings, q/k norms, biases, GQA, the MLP -- stays the model's own code, so the
+outputs are the model's.
 
 Layers follow the config: full attention, or a sliding window (Mistral's ``sliding_window``,
 ``layer_types`` of Qwen2/Qwen3/Gemma-like models). A model whose layers all share one kind keeps
@@ -36,7 +38,6 @@ from typing import Any
 from kvblocks.errors import (
     BackendUnavailableError,
     ConfigError,
-    IntegrityError,
     InvalidArgumentError,
     InvalidTokenError,
 )
@@ -50,6 +51,7 @@ except ImportError as missing:  # one message naming the extra, as the torch bac
         f"({missing})"
     ) from missing
 
+from kvblocks.attention import StepMetadata, StepMetadataBuilder, gather_kv, write_kv
 from kvblocks.backends import KVCacheSpec, get_backend
 from kvblocks.backends.cache import KVCache
 from kvblocks.hybrid import HybridKVCacheManager, LocalGroup
@@ -138,61 +140,19 @@ def _windows(config: Any, layers: int) -> tuple[int | None, ...]:
     return tuple(window if kind == "sliding_attention" else None for kind in types[:layers])
 
 
-# ---------------------------------------------------------------------------------------------- step metadata
+# ---------------------------------------------------------------------------------------------- attention
 
 
-class _StepMetadata:
-    """One step's paged-attention inputs: where each new token's K/V goes, and each sequence's context.
+@dataclass(frozen=True, eq=False)
+class _Step:
+    """What every layer's attention call of one forward pass shares: the step's kvblocks metadata
+    (valid for this step only), the caches, and the per-sequence offsets as host ints (no device sync per layer)."""
 
-    Built from the block tables once per step and shared by every layer. A plain-torch stand-in
-    for the step tensors kvblocks' attention package provides; only :func:`_paged_attention`
-    reads it, so swapping it changes nothing else.
-    """
-
-    def __init__(
-        self,
-        layout: _Layout,
-        caches: Sequence[KVCache],
-        starts: Sequence[int],
-        counts: Sequence[int],
-        tables: Sequence[Sequence[Sequence[int]]],  # [sequence][group] -> block ids
-        device: torch.device,
-    ) -> None:
-        self.layout = layout
-        self.caches = caches
-        self.starts = list(starts)
-        self.counts = list(counts)
-        self.query_starts = list(itertools.accumulate(counts, initial=0))
-        self.block_size = caches[0].spec.block_size
-        self.tables = [
-            [torch.tensor(list(per_group[g]), dtype=torch.long, device=device) for g in layout.groups]
-            for per_group in tables
-        ]
-        self.positions = [torch.arange(s, s + n, device=device) for s, n in zip(starts, counts)]
-        self.slots = [self._slots(g) for g in layout.groups]
-
-    def _slots(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block and offset of every new token of the step, in packed order."""
-        blocks = [self._blocks(i, group, p) for i, p in enumerate(self.positions)]
-        offsets = [p % self.block_size for p in self.positions]
-        return torch.cat(blocks), torch.cat(offsets)
-
-    def _blocks(self, seq: int, group: int, positions: torch.Tensor) -> torch.Tensor:
-        table = self.tables[seq][group]
-        index = positions // self.block_size
-        if int(index[-1]) >= len(table):
-            raise IntegrityError(f"position {int(positions[-1])} lies past its table of {len(table)} blocks")
-        blocks = table[index]
-        if bool((blocks < 0).any()):
-            raise IntegrityError("a position the layer reads or writes lies in a released block")
-        return blocks
-
-    def context(self, seq: int, group: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Blocks, offsets and positions of every key sequence ``seq`` attends to this step."""
-        start = self.starts[seq]
-        first = max(0, start - window + 1) if window else 0
-        positions = torch.arange(first, start + self.counts[seq], device=self.positions[seq].device)
-        return self._blocks(seq, group, positions), positions % self.block_size, positions
+    layout: _Layout
+    caches: Sequence[KVCache]
+    meta: StepMetadata
+    starts: list[int]  # each sequence's first new position (its committed line)
+    query_starts: list[int]  # where each sequence's new tokens start in the packed row; num_seqs + 1
 
 
 def _paged_attention(
@@ -211,7 +171,7 @@ def _paged_attention(
     head_dim]`` for the packed tokens of every sequence; the output is ``[1, tokens, heads, head_dim]``.
     """
     step = kwargs.get(STEP_KWARG)
-    if not isinstance(step, _StepMetadata):
+    if not isinstance(step, _Step):
         raise ConfigError(
             f"the {ATTENTION_NAME!r} attention runs inside PagedGenerator (no {STEP_KWARG} reached it); "
             "set the model's attention implementation back to call the model directly"
@@ -226,41 +186,45 @@ def _paged_attention(
             f"layer {layer} attends with sliding_window={kwargs.get('sliding_window')!r}, "
             f"but its config says {window!r}"
         )
-    group = layout.group_of(layer)
+    group = layout.group_of(layer)  # the builder's groups are (0,) or (0, 1): FULL_GROUP, WINDOW_GROUP
     cache = step.caches[group]
     index = layout.index_in_group(layer)
-    keys, values = cache.key(index), cache.value(index)  # [blocks, block_size, kv_heads, head_dim]
-    blocks, offsets = step.slots[group]
-    keys[blocks, offsets] = key[0].transpose(0, 1).to(keys.dtype)
-    values[blocks, offsets] = value[0].transpose(0, 1).to(values.dtype)
+    dtype = cache.spec.torch_dtype()
+    new_keys, new_values = key[0].transpose(0, 1).to(dtype), value[0].transpose(0, 1).to(dtype)
+    write_kv(cache, index, step.meta.slot_mappings[group], new_keys, new_values)
+    table = step.meta.block_tables[group]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
-    for seq in range(len(step.starts)):
+    for seq, start in enumerate(step.starts):
         lo, hi = step.query_starts[seq], step.query_starts[seq + 1]
-        out[lo:hi] = _attend(query[0, :, lo:hi], step, seq, group, keys, values, window, scale, kwargs.get("softcap"))
+        first = max(0, start - window + 1) if window else 0
+        keys, values = gather_kv(cache, index, table[seq], start + hi - lo, start=first)
+        context = torch.arange(first, start + hi - lo, device=query.device)
+        positions = step.meta.positions[lo:hi]
+        out[lo:hi] = _attend(query[0, :, lo:hi], keys, values, context, positions, window, scale, kwargs.get("softcap"))
     return out.unsqueeze(0), None
 
 
 def _attend(
     query: torch.Tensor,
-    step: _StepMetadata,
-    seq: int,
-    group: int,
     keys: torch.Tensor,
-    values: torch.Tensor,
+    values: torch.Tensor | None,
+    key_positions: torch.Tensor,
+    positions: torch.Tensor,
     window: int | None,
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """One sequence's attention: ``query`` ``[heads, n, dim]`` over its context; ``[n, heads, dim]``."""
-    blocks, offsets, key_positions = step.context(seq, group, window)
-    repeat = query.shape[0] // keys.shape[2]
-    k = keys[blocks, offsets].transpose(0, 1).repeat_interleave(repeat, dim=0).to(query.dtype)
-    v = values[blocks, offsets].transpose(0, 1).repeat_interleave(repeat, dim=0).to(query.dtype)
+    """One sequence's attention: ``query`` ``[heads, n, dim]`` at ``positions`` over its context ``keys``/``values``
+    ``[context, kv_heads, dim]`` at ``key_positions``; ``[n, heads, dim]``."""
+    if values is None:  # pragma: no cover - the generator's caches always hold V
+        raise ConfigError("the kvblocks attention needs a cache with values")
+    repeat = query.shape[0] // keys.shape[1]
+    k = keys.transpose(0, 1).repeat_interleave(repeat, dim=0).to(query.dtype)
+    v = values.transpose(0, 1).repeat_interleave(repeat, dim=0).to(query.dtype)
     scores = torch.matmul(query, k.transpose(1, 2)) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    positions = step.positions[seq]
     visible = key_positions[None, :] <= positions[:, None]
     if window:
         visible &= key_positions[None, :] > positions[:, None] - window
@@ -349,6 +313,7 @@ class PagedGenerator:
         self.last_logits: list[torch.Tensor] = []
         """Per prompt of the last :meth:`generate` call: the logits each new token was picked from."""
         self._ids = itertools.count()
+        self._builder = StepMetadataBuilder(self.manager, self.device)
 
     def _manager(self, num_blocks: int, block_size: int, window_blocks: int | None, caching: bool) -> KVCacheManager:
         layout = self.layout
@@ -496,12 +461,6 @@ class PagedGenerator:
 
     # ------------------------------------------------------------------ forward
 
-    def _tables(self, request: _Request) -> list[list[int]]:
-        manager = self.manager
-        if isinstance(manager, HybridKVCacheManager):
-            return [manager.group_block_table(request.seq_id, g) for g in self.layout.groups]
-        return [list(manager.block_table(request.seq_id))]
-
     def _forward(self, running: list[_Request], chunks: dict[int, int]) -> None:
         """One forward pass over every scheduled chunk; sample where a sequence caught up; retire finished ones."""
         batch = [r for r in running if chunks.get(id(r), 0) > 0]
@@ -509,18 +468,19 @@ class PagedGenerator:
             return
         counts = [chunks[id(r)] for r in batch]
         starts = [r.computed for r in batch]
-        step = _StepMetadata(self.layout, self.caches, starts, counts, [self._tables(r) for r in batch], self.device)
+        meta = self._builder.build([r.seq_id for r in batch], counts)
+        query_starts = list(itertools.accumulate(counts, initial=0))
+        step = _Step(self.layout, self.caches, meta, starts, query_starts)
         tokens = [t for r, s, n in zip(batch, starts, counts) for t in r.tokens[s : s + n]]
-        positions = torch.cat(step.positions)
         output = self.model(
             input_ids=torch.tensor([tokens], device=self.device),
-            position_ids=positions.unsqueeze(0),
+            position_ids=meta.positions.unsqueeze(0),
             use_cache=False,
             **{STEP_KWARG: step},
         )
         logits = output.logits[0]
         self.computed_tokens += len(tokens)
-        for request, n, end in zip(batch, counts, step.query_starts[1:]):
+        for request, n, end in zip(batch, counts, query_starts[1:]):
             request.computed += n
             if request.computed == len(request.tokens):
                 row = logits[end - 1].float()

@@ -357,7 +357,8 @@ def test_eagle_hybrid_mamba_hits_partial_prompt_boundary() -> None:
     """vLLM ``test_eagle_hybrid_mamba_hits_partial_prompt_boundary``: full attention of block 16, Mamba of
     block 544 (checkpoint_every 34), a 1249-token prompt computed to 1248 then 1249; a repeat hits 1248.
 
-    kvblocks: no EAGLE hashing for hybrid groups (drop_last_matched_block is refused), and no "replay"
+    kvblocks: translated without EAGLE (hybrid EAGLE, drop_last_matched_block, is covered in
+    tests/test_vllm_scenarios_hybrid_more.py), and no "replay"
     state at the prompt's last block boundary: checkpoints exist only at multiples of 544, so the engine's
     chunks end at 544 and 1088 (``next_checkpoint``) and the repeat hits 1088, the last one under 1248.
     """
@@ -467,8 +468,9 @@ def test_mamba_shared_prefix_reuse_under_zero_retention() -> None:
 
 def test_different_block_size() -> None:
     """vLLM ``test_different_block_size``: a hit must be a multiple of the coarser group's block. There full
-    attention has block 32 beside a window of block 16; kvblocks has one block size, so the coarser group
-    here is Mamba with a 32-token block (checkpoint_every 2) beside full attention of block 16.
+    attention has block 32 beside a window of block 16; here the coarser group is Mamba with a 32-token
+    block (checkpoint_every 2) beside full attention of block 16 (a coarser local group's version is in
+    tests/test_vllm_scenarios_hybrid_more.py: kvblocks' full-attention group has the finest block size).
 
     req0 computes 7 blocks one block per step; prompts of 7 and 6 blocks + 1 token hit 6 blocks; losing the
     state at 96 (vLLM: the window's blocks 5 and 6, a window hit of 80) leaves 64, not 80.

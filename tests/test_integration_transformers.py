@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 
 from kvblocks.errors import ConfigError, InvalidArgumentError, InvalidTokenError
 from kvblocks.hybrid import HybridKVCacheManager
-from kvblocks.integrations.transformers import ATTENTION_NAME, PagedGenerator
+from kvblocks.integrations.transformers import ATTENTION_NAME, PagedGenerator, entry_format
+from kvblocks.tiers import FileStorage, MemoryStorage, TierConfig
 
 VOCAB = 128
 WINDOW = 6
@@ -199,6 +200,76 @@ def test_random_arrivals_and_pool_sizes_give_the_models_tokens(
             readmission_hits = stats.readmission_hit_tokens - hits_before.readmission_hit_tokens
             assert computed >= work(prompts, max_new) - hits - readmission_hits
         assert stats.blocks_in_use == 0 and gen.manager.num_sequences == 0
+
+
+# ---------------------------------------------------------------------------------------------- tiers
+
+
+def test_a_host_tier_under_a_small_pool_serves_evicted_prefixes_with_the_same_tokens() -> None:
+    prompts = shared_prefix_prompts()
+    # 8 blocks of 4: one request at a time fits; the other system prompt's blocks are evicted to host
+    gen, steps = checked("llama", num_blocks=8, block_size=4, max_running=1, tiers=TierConfig(num_host_blocks=32))
+    outs = gen.generate(prompts, max_new_tokens=5)
+    assert_matches_reference("llama", gen, prompts, outs)
+    again = gen.generate(prompts, max_new_tokens=5)
+    assert again == outs
+    assert_matches_reference("llama", gen, prompts, again)
+    stats, tiers = gen.manager.stats, gen.manager.tier_stats
+    assert tiers.swap_outs > 0 and tiers.swap_ins > 0
+    assert stats.hit_tokens_host > 0  # the blocks the small pool evicted came back from host
+    assert stats.preemptions == 0 and gen.computed_tokens == 2 * work(prompts, 5) - stats.hit_tokens
+    assert stats.blocks_in_use == 0 and gen.manager.num_sequences == 0
+    assert steps[0] > 2 * len(prompts)
+
+
+def storage_tiers(directory: Any, family: str, **kwargs: Any) -> TierConfig:
+    """A host tier and a ``FileStorage`` on ``directory``: every committed block is written through."""
+    return TierConfig(
+        num_host_blocks=16,
+        storage=FileStorage(directory),
+        entry_format=entry_format(model(family), block_size=4),
+        storage_policy="write-through",
+        storage_timeout_s=30.0,  # a busy test machine: a slow read is not a miss
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_a_restarted_generator_on_the_same_directory_gets_storage_hits_and_the_same_tokens(
+    family: str, tmp_path: Any
+) -> None:
+    prompts = shared_prefix_prompts()
+    first, _ = checked(family, num_blocks=16, block_size=4, max_running=2, tiers=storage_tiers(tmp_path, family))
+    with first:
+        outs = first.generate(prompts, max_new_tokens=4)
+        assert_matches_reference(family, first, prompts, outs)
+        written = first.manager.tier_stats.writer.written
+    assert written > 0 and any(path.is_file() for path in tmp_path.rglob("*"))
+    assert first.manager.stats.hit_tokens_storage == 0  # nothing was stored before it
+
+    # a new generator: a fresh manager and caches, the same model and directory
+    second, _ = checked(family, num_blocks=16, block_size=4, max_running=2, tiers=storage_tiers(tmp_path, family))
+    with second:
+        again = second.generate(prompts, max_new_tokens=4)
+    assert again == outs
+    assert_matches_reference(family, second, prompts, again)
+    stats, storage = second.manager.stats, second.manager.tier_stats.storage
+    assert stats.hit_tokens_storage > 0 and storage.loads_hit > 0 and storage.loads_corrupt == 0
+    assert second.computed_tokens == work(prompts, 4) - stats.hit_tokens
+    assert second.computed_tokens < first.computed_tokens
+    assert stats.blocks_in_use == 0 and second.manager.num_sequences == 0
+
+
+def test_tiers_are_refused_for_mixed_layers_and_a_foreign_entry_format(tmp_path: Any) -> None:
+    with pytest.raises(ConfigError, match="mixes full and sliding"):
+        PagedGenerator(model("qwen2"), num_blocks=8, block_size=4, tiers=TierConfig(num_host_blocks=8))
+    with pytest.raises(ConfigError):
+        entry_format(model("gemma2"), block_size=4)
+    other = TierConfig(storage=MemoryStorage(), entry_format=entry_format(model("qwen3"), block_size=4))
+    with pytest.raises(ConfigError, match="entry_format"):
+        PagedGenerator(model("llama"), num_blocks=8, block_size=4, tiers=other)
+    with pytest.raises(ConfigError, match="TierConfig"):
+        PagedGenerator(model("llama"), num_blocks=8, block_size=4, tiers={"num_host_blocks": 8})  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,10 +55,13 @@ except ImportError as missing:  # one message naming the extra, as the torch bac
 from kvblocks.attention import StepMetadata, StepMetadataBuilder, gather_kv, write_kv
 from kvblocks.backends import KVCacheSpec, get_backend
 from kvblocks.backends.cache import KVCache
+from kvblocks.hashing import DEFAULT_SCHEME
 from kvblocks.hybrid import HybridKVCacheManager, LocalGroup
 from kvblocks.manager import KVCacheManager
+from kvblocks.tiers import EntryFormat, TierConfig, TieredKVCacheManager
+from kvblocks.tiers.executor import TransferExecutor
 
-__all__ = ["ATTENTION_NAME", "PagedGenerator"]
+__all__ = ["ATTENTION_NAME", "PagedGenerator", "entry_format"]
 
 ATTENTION_NAME = "kvblocks"
 """The name the paged attention function is registered under in transformers' ``AttentionInterface``."""
@@ -138,6 +142,21 @@ def _windows(config: Any, layers: int) -> tuple[int | None, ...]:
     if "sliding_attention" in types and not window:
         raise ConfigError("the config has sliding_attention layers but no sliding_window")
     return tuple(window if kind == "sliding_attention" else None for kind in types[:layers])
+
+
+def entry_format(model: torch.nn.Module, block_size: int = 16) -> EntryFormat:
+    """The header of ``model``'s stored blocks: ``TierConfig(entry_format=...)`` for a generator with storage.
+
+    Derived from the config (layers, KV heads, head size, dtype) and the block size, as the
+    generator's cache; a stored entry of another model shape fails it and is a miss.
+    """
+    config = getattr(model, "config", None)
+    if not isinstance(model, torch.nn.Module) or config is None:
+        raise ConfigError(f"entry_format needs a transformers model, got {type(model).__name__}")
+    layout = _Layout.of(config, next(model.parameters()).dtype)
+    if layout.hybrid:
+        raise ConfigError("PagedGenerator serves tiers only for models whose layers are all of one kind")
+    return EntryFormat.for_spec(layout.spec(FULL_GROUP, block_size), DEFAULT_SCHEME)
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -248,6 +267,9 @@ class _Request:
     computed: int = 0  # tokens whose K/V the forward passes wrote (the next one to compute)
     known: int = 0  # tokens the manager holds for it (the newest sampled token may not be there yet)
     registered: bool = False
+    pending: bool = False  # admitted with host/storage hits whose copies have not landed yet
+    granted: int = 0  # the chunk its admission allocated (run once it is ready)
+    probe_deadline: float = 0.0  # until when admission waits for its storage check
     logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -270,6 +292,12 @@ class PagedGenerator:
     chunks); ``window_blocks`` sizes the sliding-window group's pool of a model mixing full and
     sliding layers (default ``num_blocks``). ``after_step(generator)`` runs after every step.
     The model keeps its own attention implementation outside :meth:`generate`.
+
+    ``tiers`` puts a host tier and/or a storage tier under the device pool (a
+    :class:`~kvblocks.tiers.TieredKVCacheManager`; its ``entry_format`` must be
+    :func:`entry_format` of the model). ``namespace`` names the key space of stored entries:
+    generators of different models sharing a storage directory need different namespaces.
+    A generator with a storage tier owns its threads: :meth:`close` it (or use ``with``).
     """
 
     def __init__(
@@ -283,6 +311,8 @@ class PagedGenerator:
         window_blocks: int | None = None,
         enable_prefix_caching: bool = True,
         after_step: StepHook | None = None,
+        tiers: TierConfig | None = None,
+        namespace: str = "default",
     ) -> None:
         config = getattr(model, "config", None)
         if not isinstance(model, torch.nn.Module) or config is None:
@@ -303,11 +333,13 @@ class PagedGenerator:
         self.max_batch_tokens = max_batch_tokens
         self.after_step = after_step
         self.vocab_size: int = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
-        self.manager = self._manager(num_blocks, block_size, window_blocks, enable_prefix_caching)
+        self._check_tiers(tiers, block_size)
+        self.manager = self._manager(num_blocks, block_size, window_blocks, enable_prefix_caching, tiers, namespace)
         backend = get_backend(str(self.device))
         self.caches: list[KVCache] = [
             backend.allocate(self.layout.spec(g, block_size), self._group_blocks(g)) for g in self.layout.groups
         ]
+        self._executor = self._transfer_executor(backend, block_size)
         self.computed_tokens = 0
         """Tokens the forward passes computed so far (prefix-cache hits are not computed)."""
         self.last_logits: list[torch.Tensor] = []
@@ -315,15 +347,58 @@ class PagedGenerator:
         self._ids = itertools.count()
         self._builder = StepMetadataBuilder(self.manager, self.device)
 
-    def _manager(self, num_blocks: int, block_size: int, window_blocks: int | None, caching: bool) -> KVCacheManager:
+    def _check_tiers(self, tiers: TierConfig | None, block_size: int) -> None:
+        """Tiers serve models with one kind of layer, with the model's own entry format; else a ConfigError."""
+        if tiers is None:
+            return
+        if not isinstance(tiers, TierConfig):
+            raise ConfigError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
+        if self.layout.hybrid:
+            raise ConfigError(
+                "PagedGenerator serves tiers for models whose layers are all of one kind; this one mixes full "
+                "and sliding-window layers (a TieredHybridKVCacheManager's plan.groups are not run yet)"
+            )
+        expected = EntryFormat.for_spec(self.layout.spec(FULL_GROUP, block_size), DEFAULT_SCHEME)
+        if tiers.storage is not None and tiers.entry_format != expected:
+            raise ConfigError(
+                f"tiers.entry_format {tiers.entry_format!r} does not describe this model's blocks; "
+                f"use entry_format(model, block_size={block_size}): {expected!r}"
+            )
+
+    def _manager(
+        self,
+        num_blocks: int,
+        block_size: int,
+        window_blocks: int | None,
+        caching: bool,
+        tiers: TierConfig | None,
+        namespace: str,
+    ) -> KVCacheManager:
         layout = self.layout
+        if tiers is not None:
+            return TieredKVCacheManager(
+                num_blocks, block_size, tiers=tiers, namespace=namespace, enable_prefix_caching=caching
+            )
         if not layout.hybrid:
-            return KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+            return KVCacheManager(num_blocks, block_size, namespace=namespace, enable_prefix_caching=caching)
         window = layout.window
         if window is None:  # pragma: no cover - hybrid means a window exists
             raise ConfigError("a hybrid layout needs a sliding window")
         group = LocalGroup("sliding_window", span=window, num_blocks=window_blocks or num_blocks)
-        return HybridKVCacheManager(num_blocks, block_size, local_groups=[group], enable_prefix_caching=caching)
+        return HybridKVCacheManager(
+            num_blocks, block_size, local_groups=[group], namespace=namespace, enable_prefix_caching=caching
+        )
+
+    def _transfer_executor(self, backend: Any, block_size: int) -> TransferExecutor | None:
+        """The executor that runs a tiered manager's copies between the device cache and a host cache."""
+        manager = self.manager
+        if not isinstance(manager, TieredKVCacheManager):
+            return None
+        host = None
+        if manager.host is not None:
+            spec = self.layout.spec(FULL_GROUP, block_size)
+            host = get_backend("cpu").allocate(spec, manager.host.pool.num_blocks)
+        return TransferExecutor(manager, backend, self.caches[FULL_GROUP], host)
 
     def _group_blocks(self, group: int) -> int:
         manager = self.manager
@@ -342,10 +417,13 @@ class PagedGenerator:
         waiting: deque[_Request] = deque(requests)
         running: list[_Request] = []
         try:
+            self._probe(requests)
             with torch.inference_mode():
                 while waiting or running:
                     chunks = self._schedule(running, waiting)
-                    self._forward(running, chunks)
+                    self._transfer(running, chunks)
+                    if not self._forward(running, chunks):
+                        time.sleep(0.0005)  # waiting on a storage check or read (bounded by its timeout)
                     if self.after_step is not None:
                         self.after_step(self)
         finally:
@@ -353,8 +431,25 @@ class PagedGenerator:
             for request in requests:  # an error mid-way: give every block back
                 if request.registered:
                     self.manager.free(request.seq_id)
+            self._drain()
         self.last_logits = [torch.stack(r.logits) for r in requests]
         return [r.tokens[r.prompt_length :] for r in requests]
+
+    def flush(self, timeout: float | None = 10.0) -> bool:
+        """Wait until queued storage writes reached storage (True if they did; no storage tier: True)."""
+        manager = self.manager
+        return manager.flush(timeout) if isinstance(manager, TieredKVCacheManager) else True
+
+    def close(self) -> None:
+        """Stop a storage tier's threads (queued writes get a bounded time to finish) and close its backend."""
+        if isinstance(self.manager, TieredKVCacheManager):
+            self.manager.close()
+
+    def __enter__(self) -> PagedGenerator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ input
 
@@ -396,21 +491,25 @@ class PagedGenerator:
         Returns the number of new tokens per request (by ``id``). A sequence that cannot grow
         preempts the newest running one (which is recomputed later) until it can.
         """
-        budget = self.max_batch_tokens
+        budget = self.max_batch_tokens - sum(r.granted for r in running if r.pending)
         chunks: dict[int, int] = {}
         for request in running:
-            chunks[id(request)] = n = min(len(request.tokens) - request.computed, budget)
-            budget -= n
+            if not request.pending:
+                chunks[id(request)] = n = min(len(request.tokens) - request.computed, max(budget, 0))
+                budget -= n
         self._grow(running, waiting, chunks)
-        budget = self.max_batch_tokens - sum(chunks.values())
+        budget = self.max_batch_tokens - sum(chunks.values()) - sum(r.granted for r in running if r.pending)
         while waiting and len(running) < self.max_running and budget > 0:
             request = waiting[0]
+            if self._probing(request):
+                return chunks  # its storage check is still out: admit it (and those after it) later
             admitted = self._admit(request, budget)
             if admitted is None:
                 break
             waiting.popleft()
             running.append(request)
-            chunks[id(request)] = admitted
+            if not request.pending:
+                chunks[id(request)] = admitted
             budget -= admitted
         if not running:
             raise ConfigError("the pool cannot hold even one waiting request; give PagedGenerator more blocks")
@@ -418,7 +517,7 @@ class PagedGenerator:
 
     def _grow(self, running: list[_Request], waiting: deque[_Request], chunks: dict[int, int]) -> None:
         """One ``manager.step`` for the running sequences: commit last step's tokens, append, grow."""
-        pending = list(running)
+        pending = [r for r in running if not r.pending]  # a sequence whose copies are out cannot commit yet
         while pending:
             failed = set(
                 self.manager.step(
@@ -440,6 +539,7 @@ class PagedGenerator:
     def _preempt(self, request: _Request, waiting: deque[_Request], chunks: dict[int, int]) -> None:
         self.manager.preempt(request.seq_id)
         request.computed = 0
+        request.pending = False
         chunks.pop(id(request), None)
         waiting.appendleft(request)
 
@@ -452,20 +552,75 @@ class PagedGenerator:
         elif request.known < len(request.tokens):
             manager.append_tokens(request.seq_id, request.tokens[request.known :])
         request.known = len(request.tokens)
-        hit = manager.lookup(request.seq_id).device
+        hit = manager.lookup(request.seq_id).total  # device, host and storage hits alike
         n = min(len(request.tokens) - hit, budget)
         if manager.allocate(request.seq_id, n, num_cached_tokens=hit) is None:
             return None
         request.computed = hit
+        request.pending = isinstance(manager, TieredKVCacheManager) and not manager.is_ready(request.seq_id)
+        request.granted = n if request.pending else 0
         return n
+
+    # ------------------------------------------------------------------ tiers
+
+    def _probe(self, requests: list[_Request]) -> None:
+        """With a storage tier, register every request up front: its storage check runs while others compute."""
+        manager = self.manager
+        if not isinstance(manager, TieredKVCacheManager) or manager.storage is None:
+            return
+        deadline = time.monotonic() + manager.tiers.storage_timeout_s
+        for request in requests:
+            manager.add_sequence(request.seq_id, request.tokens)
+            request.registered = True
+            request.known = len(request.tokens)
+            request.probe_deadline = deadline
+
+    def _probing(self, request: _Request) -> bool:
+        """Whether admission should wait for the request's storage check (else stored blocks would be recomputed)."""
+        manager = self.manager
+        return (
+            isinstance(manager, TieredKVCacheManager)
+            and request.registered
+            and time.monotonic() < request.probe_deadline
+            and manager.is_storage_check_pending(request.seq_id)
+        )
+
+    def _transfer(self, running: list[_Request], chunks: dict[int, int]) -> None:
+        """Run the step's copies (saves, swap-outs, swap-ins), write finished storage reads, release the
+        admissions whose copies all landed. A short read cut the table back: that request computes the rest,
+        allocated by the next step."""
+        executor = self._executor
+        if executor is None:
+            return
+        executor.step()
+        manager = executor.manager
+        for request in running:
+            if request.pending and manager.is_ready(request.seq_id):
+                request.pending = False
+                usable = manager.num_computed_tokens(request.seq_id)
+                if usable == request.computed:
+                    chunks[id(request)] = request.granted
+                request.computed = usable
+                request.granted = 0
+
+    def _drain(self) -> None:
+        """Run what the last commits and frees planned (write-through saves, deferred releases), then wait for the
+        storage writes, so that a generator started next on the same directory finds them."""
+        manager = self.manager
+        if self._executor is None or not isinstance(manager, TieredKVCacheManager):
+            return
+        self._executor.run(manager.take_transfers())
+        self.flush()
 
     # ------------------------------------------------------------------ forward
 
-    def _forward(self, running: list[_Request], chunks: dict[int, int]) -> None:
-        """One forward pass over every scheduled chunk; sample where a sequence caught up; retire finished ones."""
+    def _forward(self, running: list[_Request], chunks: dict[int, int]) -> bool:
+        """One forward pass over every scheduled chunk; sample where a sequence caught up; retire finished ones.
+
+        False if nothing was scheduled (every request waits on copies or storage checks)."""
         batch = [r for r in running if chunks.get(id(r), 0) > 0]
         if not batch:
-            return
+            return False
         counts = [chunks[id(r)] for r in batch]
         starts = [r.computed for r in batch]
         meta = self._builder.build([r.seq_id for r in batch], counts)
@@ -491,3 +646,4 @@ class PagedGenerator:
                     self.manager.free(request.seq_id)
                     request.registered = False
                     running.remove(request)
+        return True

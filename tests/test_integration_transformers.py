@@ -6,6 +6,7 @@ The reference is ``model.generate`` (greedy, EOS disabled) with transformers' ow
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import subprocess
@@ -25,7 +26,8 @@ from hypothesis import strategies as st
 from kvblocks.errors import ConfigError, InvalidArgumentError, InvalidTokenError
 from kvblocks.hybrid import HybridKVCacheManager
 from kvblocks.integrations.transformers import ATTENTION_NAME, PagedGenerator, entry_format
-from kvblocks.tiers import FileStorage, MemoryStorage, TierConfig
+from kvblocks.tiers import FileStorage, LoadResult, MemoryStorage, TierConfig
+from kvblocks.tiers.executor import TransferExecutor
 
 VOCAB = 128
 WINDOW = 6
@@ -258,6 +260,41 @@ def test_a_restarted_generator_on_the_same_directory_gets_storage_hits_and_the_s
     assert second.computed_tokens == work(prompts, 4) - stats.hit_tokens
     assert second.computed_tokens < first.computed_tokens
     assert stats.blocks_in_use == 0 and second.manager.num_sequences == 0
+
+
+def test_corrupt_stored_entries_are_recomputed_and_zeroed_loads_would_show(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A damaged entry cuts the loaded prefix short (the rest is computed, same tokens); and the comparison has
+    teeth: loads written as zeros change the logits."""
+    prompts = shared_prefix_prompts()
+    with PagedGenerator(model("llama"), num_blocks=16, block_size=4, tiers=storage_tiers(tmp_path, "llama")) as first:
+        outs = first.generate(prompts, max_new_tokens=4)
+    entries = sorted(path for path in tmp_path.rglob("*") if path.is_file())
+    for path in entries[::2]:  # every other entry's last payload byte flipped: its checksum fails
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x5A
+        path.write_bytes(bytes(data))
+    damaged, _ = checked("llama", num_blocks=16, block_size=4, tiers=storage_tiers(tmp_path, "llama"))
+    with damaged:
+        assert damaged.generate(prompts, max_new_tokens=4) == outs
+    assert_matches_reference("llama", damaged, prompts, outs)
+    stats, storage = damaged.manager.stats, damaged.manager.tier_stats.storage
+    assert storage.loads_corrupt > 0
+    assert damaged.computed_tokens == work(prompts, 4) - stats.hit_tokens
+
+    def zeroed(self: TransferExecutor, loads: list[LoadResult]) -> None:
+        for result in loads:
+            payloads = tuple(tuple(memoryview(bytes(len(p))) for p in parts) for parts in result.payloads)
+            original(self, [dataclasses.replace(result, payloads=payloads)])
+
+    original = TransferExecutor.apply
+    monkeypatch.setattr(TransferExecutor, "apply", zeroed)
+    with PagedGenerator(model("llama"), num_blocks=16, block_size=4, tiers=storage_tiers(tmp_path, "llama")) as broken:
+        broken.generate(prompts, max_new_tokens=4)
+    assert broken.manager.tier_stats.storage.loads_hit > 0
+    ref = [reference("llama", tuple(p), 4)[1] for p in prompts]
+    assert max(float((got - want).abs().max()) for got, want in zip(broken.last_logits, ref)) > 1e-2
 
 
 def test_tiers_are_refused_for_mixed_layers_and_a_foreign_entry_format(tmp_path: Any) -> None:

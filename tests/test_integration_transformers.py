@@ -297,6 +297,28 @@ def test_corrupt_stored_entries_are_recomputed_and_zeroed_loads_would_show(
     assert max(float((got - want).abs().max()) for got, want in zip(broken.last_logits, ref)) > 1e-2
 
 
+def test_tiers_under_capacity_pressure_with_preemption_snapshots_give_the_same_tokens() -> None:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(9, 14))] for _ in range(4)]
+    tiers = TierConfig(
+        num_host_blocks=4,  # smaller than the working set too: host evictions go to storage
+        storage=MemoryStorage(),
+        entry_format=entry_format(model("llama"), block_size=4),
+        save_on_preempt=True,
+        storage_timeout_s=30.0,
+    )
+    gen, _ = checked("llama", num_blocks=6, block_size=4, max_running=4, tiers=tiers)
+    with gen:
+        outs = gen.generate(prompts, max_new_tokens=8)
+        assert_matches_reference("llama", gen, prompts, outs)
+        again = gen.generate(prompts[::-1], max_new_tokens=8)
+    assert_matches_reference("llama", gen, prompts[::-1], again)
+    stats, tier_stats = gen.manager.stats, gen.manager.tier_stats
+    assert stats.preemptions > 0 and tier_stats.storage.saves_queued > 0
+    assert stats.hit_tokens_host + stats.hit_tokens_storage > 0
+    assert stats.blocks_in_use == 0 and gen.manager.num_sequences == 0
+
+
 def test_tiers_are_refused_for_mixed_layers_and_a_foreign_entry_format(tmp_path: Any) -> None:
     with pytest.raises(ConfigError, match="mixes full and sliding"):
         PagedGenerator(model("qwen2"), num_blocks=8, block_size=4, tiers=TierConfig(num_host_blocks=8))

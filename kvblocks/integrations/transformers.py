@@ -498,11 +498,21 @@ class PagedGenerator:
                 chunks[id(request)] = n = min(len(request.tokens) - request.computed, max(budget, 0))
                 budget -= n
         self._grow(running, waiting, chunks)
+        if self._admit_waiting(running, waiting, chunks) or running:
+            return chunks
+        if self._executor is not None:  # blocks held for a preemption snapshot are freed once its plan ran
+            self._executor.step()
+            if self._admit_waiting(running, waiting, chunks) or running:
+                return chunks
+        raise ConfigError("the pool cannot hold even one waiting request; give PagedGenerator more blocks")
+
+    def _admit_waiting(self, running: list[_Request], waiting: deque[_Request], chunks: dict[int, int]) -> bool:
+        """Admit waiting requests in order while they fit; True if the head waits for its storage check."""
         budget = self.max_batch_tokens - sum(chunks.values()) - sum(r.granted for r in running if r.pending)
         while waiting and len(running) < self.max_running and budget > 0:
             request = waiting[0]
             if self._probing(request):
-                return chunks  # its storage check is still out: admit it (and those after it) later
+                return True  # its storage check is still out: admit it (and those after it) later
             admitted = self._admit(request, budget)
             if admitted is None:
                 break
@@ -511,9 +521,7 @@ class PagedGenerator:
             if not request.pending:
                 chunks[id(request)] = admitted
             budget -= admitted
-        if not running:
-            raise ConfigError("the pool cannot hold even one waiting request; give PagedGenerator more blocks")
-        return chunks
+        return False
 
     def _grow(self, running: list[_Request], waiting: deque[_Request], chunks: dict[int, int]) -> None:
         """One ``manager.step`` for the running sequences: commit last step's tokens, append, grow."""

@@ -319,6 +319,39 @@ def test_tiers_under_capacity_pressure_with_preemption_snapshots_give_the_same_t
     assert stats.blocks_in_use == 0 and gen.manager.num_sequences == 0
 
 
+@settings(max_examples=10, deadline=None)
+@given(
+    st.data(),
+    st.sampled_from(["llama", "mistral"]),
+    st.integers(min_value=6, max_value=16),
+    st.integers(min_value=0, max_value=12),
+    st.sampled_from(["write-back", "write-through"]),
+    st.booleans(),
+)
+def test_random_arrivals_over_tiers_give_the_models_tokens(
+    data: st.DataObject, family: str, num_blocks: int, host_blocks: int, policy: str, save_on_preempt: bool
+) -> None:
+    """Calls after calls over shared prefixes, a small pool over a host tier and storage of any policy."""
+    pool = [p for p in shared_prefix_prompts(seed=3) if len(p) <= num_blocks * 4 - 3] or [[5, 6, 7]]
+    tiers = TierConfig(
+        num_host_blocks=host_blocks,
+        host_policy=policy,
+        storage=MemoryStorage(),
+        entry_format=entry_format(model(family), block_size=4),
+        storage_policy=policy,
+        save_on_preempt=save_on_preempt,
+        storage_timeout_s=30.0,
+    )
+    max_running = data.draw(st.integers(min_value=1, max_value=3), label="max_running")
+    gen, _ = checked(family, num_blocks=num_blocks, block_size=4, max_running=max_running, tiers=tiers)
+    with gen:
+        for _ in range(data.draw(st.integers(min_value=1, max_value=3), label="arrivals")):
+            prompts = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3), label="prompts")
+            outs = gen.generate(prompts, max_new_tokens=3)
+            assert_matches_reference(family, gen, prompts, outs)
+            assert gen.manager.stats.blocks_in_use == 0 and gen.manager.num_sequences == 0
+
+
 def test_tiers_are_refused_for_mixed_layers_and_a_foreign_entry_format(tmp_path: Any) -> None:
     with pytest.raises(ConfigError, match="mixes full and sliding"):
         PagedGenerator(model("qwen2"), num_blocks=8, block_size=4, tiers=TierConfig(num_host_blocks=8))

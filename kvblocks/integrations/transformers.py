@@ -24,6 +24,11 @@ sliding layers gets a :class:`~kvblocks.hybrid.HybridKVCacheManager` with a slid
 group whose blocks are released once no later token attends to them. Other layer kinds (linear
 attention, chunked attention), encoder-decoder models and models whose attention does not go
 through the attention interface are refused with :class:`~kvblocks.errors.ConfigError`.
+
+With ``tiers=TierConfig(...)`` (models whose layers are all of one kind) the manager is a
+:class:`~kvblocks.tiers.TieredKVCacheManager`: every step runs its copies with a
+:class:`~kvblocks.tiers.TransferExecutor` before the forward pass, and a request admitted with
+host or storage hits joins the forward passes once its copies landed.
 """
 
 from __future__ import annotations

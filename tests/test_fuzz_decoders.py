@@ -37,7 +37,7 @@ from kvblocks import (
 from kvblocks.errors import EventDecodeError
 from kvblocks.event_transport import InProcessTransport, pump
 from kvblocks.events import EVENT_GROUP_KINDS
-from kvblocks.tiers import EntryFormat, MemoryStorage, StorageTier, TierConfig
+from kvblocks.tiers import EntryFormat, MemoryStorage, StorageTier, TierConfig, block_key, namespace_tag
 from kvblocks.tiers.entry import HEADER
 
 FUZZ = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -492,7 +492,9 @@ def test_a_damaged_handoff_is_refused_or_accepted_whole_by_a_decode_manager(data
 
 FORMAT = EntryFormat("xxh3-128", "bfloat16", (2, 2, 4, 2, 8), 0x1234, 64)
 PAYLOAD = bytes(range(64))
-ENTRY = FORMAT.encode(PAYLOAD)
+STORED_HASH = b"\x42" * 16
+KEY = block_key(namespace_tag("fuzz", "xxh3-128", BLOCK), "xxh3-128", STORED_HASH, format_tag=FORMAT.tag)
+ENTRY = FORMAT.encode(PAYLOAD, KEY)  # bound to KEY: the storage tier below reads STORED_HASH under it
 MISS_REASONS = {
     "absent",
     "truncated header",
@@ -503,11 +505,12 @@ MISS_REASONS = {
     "overlong payload",
     "checksum mismatch",
     "not a byte string",
+    "written under another key",
 }
 
 
 def _check_entry(data: Any) -> None:
-    payload, reason = FORMAT.decode(data)
+    payload, reason = FORMAT.decode(data, KEY)
     if payload is None:
         assert reason in MISS_REASONS
     else:  # sound only if it is the entry (xxh3-64 collisions aside)
@@ -534,7 +537,7 @@ def test_damaged_entries_are_misses_with_a_reason(data: bytes) -> None:
     ],
 )
 def test_a_non_contiguous_or_shaped_view_of_an_entry_decodes(value: memoryview) -> None:
-    payload, reason = FORMAT.decode(value)
+    payload, reason = FORMAT.decode(value, KEY)
     assert reason == "" and payload is not None and bytes(payload) == PAYLOAD
 
 
@@ -551,15 +554,16 @@ def storage_tier():
     tier.close()
 
 
-_LOAD_COUNTERS = ("loads_hit", "loads_missing", "loads_incompatible", "loads_corrupt")
+_LOAD_COUNTERS = ("loads_hit", "loads_missing", "loads_incompatible", "loads_corrupt", "loads_wrong_key")
 
 
 @SMALL
 @given(st.one_of(byte_mutations(ENTRY), st.binary(max_size=200)))
 def test_a_damaged_stored_entry_is_one_counted_miss_never_a_failed_read(storage_tier, data: bytes) -> None:
     tier, backend = storage_tier
-    h = b"\x42" * 16
-    backend.put([(tier.keys_of(h)[0], data)])
+    h = STORED_HASH
+    assert tier.keys_of(h) == [KEY]
+    backend.put([(KEY, data)])
     before = tier.stats.snapshot()
     request = tier.load([h])
     assert tier.wait_idle(5.0)

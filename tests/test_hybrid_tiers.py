@@ -619,7 +619,7 @@ def test_evicted_local_blocks_are_saved_under_their_groups_own_keys_and_loaded_b
     ha = hashes_of(m, A)
     key0, key1, key2 = (m.group_storage(g).keys_of(ha[3]) for g in range(3))  # type: ignore[union-attr]
     assert len({key0[0], key1[0], key2[0]}) == 3  # one key space per group
-    assert storage.get(key1) == [FORMATS[1].encode(kv(1, ha[3]))]  # group 1's KV, group 1's header
+    assert storage.get(key1) == [FORMATS[1].encode(kv(1, ha[3]), key1[0])]  # group 1's KV, header and key
     m.add_sequence("c", A)
     assert m.lookup("c") == CachedTokens(storage=16, num_prompt_tokens=17)
     assert m.allocate("c", 1) is not None and not m.is_ready("c")

@@ -93,7 +93,7 @@ def hashes_of(tokens: list[int]) -> tuple[BlockHash, ...]:
 
 def store_directly(m: TieredKVCacheManager, backend, hashes: Sequence[BlockHash]) -> None:
     """Put correct entries for ``hashes`` into ``backend`` behind the manager's back (another node wrote them)."""
-    items = [(key, FORMAT.encode(content_of(h))) for h in hashes for key in m.storage.keys_of(h)]
+    items = [(key, FORMAT.encode(content_of(h), key)) for h in hashes for key in m.storage.keys_of(h)]
     assert backend.put(items) == len(items)
 
 

@@ -641,7 +641,7 @@ def test_reads_of_freed_admissions_are_skipped_not_queued_behind(make) -> None:
     sim = SimEngine(m)
     tokens = list(range(100, 121))
     m.add_sequence("a", tokens)
-    storage.put([(m.storage.keys_of(h)[0], FORMAT.encode(content_of(h))) for h in m.block_hashes("a")])
+    storage.put([(k, FORMAT.encode(content_of(h), k)) for h in m.block_hashes("a") for k in m.storage.keys_of(h)])
     assert m.storage.wait_idle(5) and m.lookup("a").storage == 20
     for _ in range(40):  # preemption churn: 40 reads queued, each admission gone before its read
         m.allocate("a", 1)

@@ -30,10 +30,10 @@ PAYLOAD = bytes(range(256)) * (SPEC.bytes_per_block // 256)
 
 
 def test_entry_round_trip_and_header_size() -> None:
-    assert HEADER.size == 100
-    entry = FORMAT.encode(PAYLOAD)
-    assert len(entry) == 100 + SPEC.bytes_per_block
-    payload, why = FORMAT.decode(entry)
+    assert HEADER.size == 108
+    entry = FORMAT.encode(PAYLOAD, "k.1")
+    assert len(entry) == 108 + SPEC.bytes_per_block
+    payload, why = FORMAT.decode(entry, "k.1")
     assert why == "" and bytes(payload) == PAYLOAD
     assert FORMAT.shape == (2, 2, 4, 2, 8) and FORMAT.dtype == "bfloat16"
 
@@ -50,14 +50,17 @@ def _flip(entry: bytes, at: int) -> bytes:
         (lambda e: e[:-1], "truncated payload"),
         (lambda e: e + b"x", "overlong payload"),
         (lambda e: _flip(e, 0), "bad magic"),
-        (lambda e: e[:8] + struct.pack("<H", 2) + e[10:], "other format version"),
+        (lambda e: e[:8] + struct.pack("<H", 1) + e[10:], "other format version"),
+        (lambda e: e[:8] + struct.pack("<H", 1) + e[10:100], "other format version"),  # a version-1-sized value
+        (lambda e: e[:8] + struct.pack("<H", 3) + e[10:], "other format version"),
         (lambda e: _flip(e, 20), "other scheme, dtype, shape or spec"),
         (lambda e: _flip(e, len(e) - 1), "checksum mismatch"),
-        (lambda e: _flip(e, 95), "checksum mismatch"),
+        (lambda e: _flip(e, 103), "checksum mismatch"),
+        (lambda e: _flip(e, 95), "written under another key"),  # the key digest
     ],
 )
 def test_damaged_entries_are_misses_with_a_reason(damage, reason: str) -> None:
-    payload, why = FORMAT.decode(damage(FORMAT.encode(PAYLOAD)))
+    payload, why = FORMAT.decode(damage(FORMAT.encode(PAYLOAD, "k.1")), "k.1")
     assert payload is None and why == reason
 
 
@@ -102,15 +105,24 @@ def test_keys_name_scheme_namespace_hash_and_rank() -> None:
         )
         == 4
     )
-    assert block_key(tag, "xxh3-128", b"\x0a\xbc") == f"xxh3-128.{tag}.b0abc"
-    assert block_key(tag, "xxh3-64-1337", 2748, rank=3) == f"xxh3-64-1337.{tag}.iabc.r3"
-    assert block_key(tag, "xxh3-128", b"\xab\xc0") != block_key(tag, "xxh3-128", 0xABC0)  # bytes and ints apart
+    fmt = FORMAT.tag
+    assert block_key(tag, "xxh3-128", b"\x0a\xbc", format_tag=fmt) == f"xxh3-128.{tag}.{fmt}.b0abc"
+    assert block_key(tag, "xxh3-64-1337", 2748, rank=3, format_tag=fmt) == f"xxh3-64-1337.{tag}.{fmt}.iabc.r3"
+    assert block_key(tag, "xxh3-128", b"\xab\xc0", format_tag=fmt) != block_key(
+        tag, "xxh3-128", 0xABC0, format_tag=fmt
+    )  # bytes and ints apart
 
 
 @pytest.mark.parametrize("bad", [b"", -1, 1.5, True, None, "abc"])
 def test_bad_hashes_make_no_key(bad) -> None:
     with pytest.raises(InvalidBlockHashError):
-        block_key("0" * 16, "xxh3-128", bad)
+        block_key("0" * 16, "xxh3-128", bad, format_tag=FORMAT.tag)
+
+
+@pytest.mark.parametrize("bad", ["", "0" * 15, "0" * 17, "ABCDEF0123456789", "0123456789abcde.", None, 7])
+def test_a_malformed_format_tag_makes_no_key(bad) -> None:
+    with pytest.raises(InvalidArgumentError, match="format_tag"):
+        block_key("0" * 16, "xxh3-128", b"\x01", format_tag=bad)
 
 
 @pytest.mark.parametrize("key", ["../etc/passwd", "/abs", "UPPER", "", "a b", "a/b", ".hidden", "x" * 300])

@@ -210,7 +210,8 @@ def _stored_files(storage_dir: Path) -> list[Path]:
 def entry_files(storage_dir: Path, block_hashes: list[BlockHash]) -> list[Path]:
     """The files under ``storage_dir`` holding the entries of ``block_hashes`` (a file is named by its key)."""
     tag = namespace_tag("default", DEFAULT_SCHEME, BLOCK_SIZE)  # the key space of tier_config's managers
-    keys = [block_key(tag, DEFAULT_SCHEME, block_hash) for block_hash in block_hashes]
+    entry_format = EntryFormat.for_spec(MODEL.config.cache_spec(BLOCK_SIZE), DEFAULT_SCHEME)
+    keys = [block_key(tag, DEFAULT_SCHEME, h, format_tag=entry_format.tag) for h in block_hashes]
     return [path for key in keys for path in storage_dir.rglob(key)]
 
 

@@ -1,20 +1,25 @@
 """What a stored block looks like: its key, and a fixed header in front of its payload.
 
-One key per block -- scheme, namespace, block hash, and the tensor-parallel rank where
-shards differ -- made of ``[a-z0-9.]`` only, so a file or Redis key is never built from
-caller-supplied text::
+One key per block -- scheme, namespace tag, format tag (:attr:`EntryFormat.tag`), block hash,
+and the tensor-parallel rank where shards differ -- made of ``[a-z0-9.-]`` only, so a file or
+Redis key is never built from caller-supplied text::
 
-    xxh3-128.3f9c0a1b2c3d4e5f.b6a1f...e2          bytes hash of the default scheme
-    xxh3-64-1337.0000000000000000.i1d2c3.r1       int hash, rank 1
+    xxh3-128.3f9c0a1b2c3d4e5f.91c2d3e4f5a6b7c8.b6a1f...e2      bytes hash of the default scheme
+    xxh3-64-1337.0000000000000000.91c2d3e4f5a6b7c8.i1d2c3.r1   int hash, rank 1
 
-The value is a fixed 100-byte header, then the block's payload (``Backend.gather``'s bytes)::
+The format tag keeps KV formats apart: a float16 and a bfloat16 deployment of one model (same
+namespace, same hashes) never see each other's entries, so neither skips its own writes.
 
-    magic "KVBENTRY" | version | ndim | scheme | dtype | shape (8 dims) | spec fingerprint
-    | payload length | xxh3-64 checksum of the payload | payload ...
+The value is a fixed 108-byte header, then the block's payload (``Backend.gather``'s bytes)::
 
-A reader decodes against the format it expects: a different magic, version, scheme, dtype,
-shape or spec, a short or long payload, or a checksum that does not match makes the entry a
-miss with a reason -- never wrong KV.
+    magic "KVBENTRY" | version (2) | ndim | scheme | dtype | shape (8 dims) | spec fingerprint
+    | payload length | xxh3-64 of the key it was written under | xxh3-64 checksum of the payload
+    | payload ...
+
+A reader decodes against the format it expects, and the key it read: a different magic, version,
+scheme, dtype, shape or spec, a short or long payload, a checksum that does not match, or a
+sound entry written under another key (copied or renamed) makes the entry a miss with a reason --
+never wrong KV.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import xxhash
 
@@ -29,12 +35,24 @@ from kvblocks.backends.spec import KVCacheSpec
 from kvblocks.errors import ConfigError, InvalidArgumentError, InvalidBlockHashError
 from kvblocks.hashing import BlockHash, Namespace
 
-__all__ = ["FORMAT_VERSION", "HEADER", "EntryFormat", "block_key", "group_tag", "namespace_tag", "valid_key"]
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER",
+    "EntryFormat",
+    "block_key",
+    "group_tag",
+    "key_digest",
+    "namespace_tag",
+    "valid_key",
+]
 
 MAGIC = b"KVBENTRY"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<8sHH16s16s8IQQQ")
+FORMAT_VERSION = 2
+"""1: no key digest (100-byte header); 2: the key's digest before the checksum (108 bytes)."""
+HEADER = struct.Struct("<8sHH16s16s8IQQQQ")
 _KEY = re.compile(r"^[a-z0-9][a-z0-9.\-]{0,250}$")
+_TAG = re.compile(r"^[0-9a-f]{16}$")
+_UNBOUND = 0  # the key digest of an entry encoded without a key: never served under any key
 
 
 def namespace_tag(namespace: str | Namespace, scheme: str, block_size: int) -> str:
@@ -55,15 +73,21 @@ def group_tag(tag: str, group: int, kind: str, block_size: int, span: int) -> st
     return f"{xxhash.xxh3_64_intdigest(material):016x}"
 
 
-def block_key(tag: str, scheme: str, block_hash: BlockHash, rank: int | None = None) -> str:
-    """The storage key of one block (see the module docstring for the shape)."""
+def block_key(tag: str, scheme: str, block_hash: BlockHash, rank: int | None = None, *, format_tag: str) -> str:
+    """The storage key of one block (see the module docstring for the shape).
+
+    ``format_tag`` is :attr:`EntryFormat.tag` of the entries' format: different KV formats get
+    different keys, so one never finds (or skips writing over) the other's entries.
+    """
+    if not isinstance(format_tag, str) or not _TAG.match(format_tag):
+        raise InvalidArgumentError(f"format_tag must be 16 lowercase hex digits (EntryFormat.tag), got {format_tag!r}")
     if isinstance(block_hash, bytes) and block_hash:
         digest = "b" + block_hash.hex()
     elif isinstance(block_hash, int) and not isinstance(block_hash, bool) and block_hash >= 0:
         digest = f"i{block_hash:x}"
     else:
         raise InvalidBlockHashError(f"a block hash must be non-empty bytes or an int >= 0, got {block_hash!r}")
-    key = f"{scheme}.{tag}.{digest}"
+    key = f"{scheme}.{tag}.{format_tag}.{digest}"
     if rank is not None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise InvalidArgumentError(f"rank must be an int >= 0, got {rank!r}")
@@ -76,6 +100,11 @@ def valid_key(key: str) -> str:
     if not isinstance(key, str) or not _KEY.match(key):
         raise InvalidArgumentError(f"{key!r} is not a storage key (lowercase letters, digits, '.' and '-')")
     return key
+
+
+def key_digest(key: str) -> int:
+    """The xxh3-64 of ``key`` that an entry's header carries: which key the entry was written under."""
+    return xxhash.xxh3_64_intdigest(valid_key(key).encode("ascii"))
 
 
 def _fixed(text: str, what: str) -> bytes:
@@ -116,9 +145,21 @@ class EntryFormat:
     def __post_init__(self) -> None:
         if len(self.shape) > 8:
             raise ConfigError(f"an entry shape has at most 8 dimensions, got {self.shape}")
-        self._header_prefix()  # validates the text fields
+        _ = self._prefix  # validates the text fields
 
-    def _header_prefix(self) -> bytes:
+    @cached_property
+    def tag(self) -> str:
+        """16 hex digits naming this format (every header field but the key and checksum) in keys.
+
+        Two formats share keys only if their headers agree: a dtype, shape, spec or scheme change
+        (or a format version bump) moves to a key space of its own.
+        """
+        material = b"kvblocks-format." + self._prefix
+        return f"{xxhash.xxh3_64_intdigest(material):016x}"
+
+    @cached_property
+    def _prefix(self) -> bytes:
+        """The header up to the key digest: the same for every entry of this format."""
         dims = list(self.shape) + [0] * (8 - len(self.shape))
         return HEADER.pack(
             MAGIC,
@@ -130,42 +171,52 @@ class EntryFormat:
             self.fingerprint,
             self.payload_length,
             0,
-        )[:-8]
+            0,
+        )[:-16]
 
-    def encode(self, payload: bytes | bytearray | memoryview) -> bytes:
-        """Header + payload. The payload must have exactly this format's length."""
+    def encode(self, payload: bytes | bytearray | memoryview, key: str | None = None) -> bytes:
+        """Header + payload, bound to ``key`` (the key it will be stored under).
+
+        The payload must have exactly this format's length. An entry encoded without a key is
+        never served by :meth:`decode` with a key: only tools that inspect values leave it out.
+        """
         view = memoryview(payload).cast("B")
         if len(view) != self.payload_length:
             raise ConfigError(f"payload is {len(view)} bytes, the format says {self.payload_length}")
+        bound = _UNBOUND if key is None else key_digest(key)
         checksum = xxhash.xxh3_64_intdigest(view)
-        return self._header_prefix() + checksum.to_bytes(8, "little") + view.tobytes()
+        return self._prefix + bound.to_bytes(8, "little") + checksum.to_bytes(8, "little") + view.tobytes()
 
-    def decode(self, data: bytes | bytearray | memoryview | None) -> tuple[memoryview | None, str]:
-        """``(payload, "")`` for a sound entry of this format, else ``(None, why it is a miss)``.
+    def decode(
+        self, data: bytes | bytearray | memoryview | None, key: str | None = None
+    ) -> tuple[memoryview | None, str]:
+        """``(payload, "")`` for a sound entry of this format written under ``key``, else ``(None, why)``.
 
-        Never raises: the value comes from a shared store anyone may have written. The header is
-        compared whole with the one this format writes, never parsed, so no field of a damaged
-        header (a shape, a dtype, a length) is ever used. A value that is not a byte string, or
-        not contiguous, is the miss ``"not a byte string"``.
+        Never raises for ``data``: the value comes from a shared store anyone may have written. The
+        header is compared whole with the one this format writes, never parsed, so no field of a
+        damaged header (a shape, a dtype, a length) is ever used. A value that is not a byte
+        string, or not contiguous, is the miss ``"not a byte string"``; a sound entry whose header
+        names another key is ``"written under another key"``. ``key=None`` (inspection only)
+        accepts an entry written under any key.
         """
         if data is None:
             return None, "absent"
         view = _byte_view(data)
         if view is None:
             return None, "not a byte string"
+        if len(view) >= 10 and bytes(view[:8]) == MAGIC and int.from_bytes(view[8:10], "little") != FORMAT_VERSION:
+            return None, "other format version"  # checked first: an older header has another size
         if len(view) < HEADER.size:
             return None, "truncated header"
-        prefix = self._header_prefix()
+        prefix = self._prefix
         if bytes(view[: len(prefix)]) != prefix:
-            if bytes(view[:8]) != MAGIC:
-                return None, "bad magic"
-            if int.from_bytes(view[8:10], "little") != FORMAT_VERSION:
-                return None, "other format version"
-            return None, "other scheme, dtype, shape or spec"
+            return None, "bad magic" if bytes(view[:8]) != MAGIC else "other scheme, dtype, shape or spec"
         payload = view[HEADER.size :]
         if len(payload) != self.payload_length:
             return None, "truncated payload" if len(payload) < self.payload_length else "overlong payload"
         checksum = int.from_bytes(view[HEADER.size - 8 : HEADER.size], "little")
         if xxhash.xxh3_64_intdigest(payload) != checksum:
             return None, "checksum mismatch"
+        if key is not None and int.from_bytes(view[len(prefix) : HEADER.size - 8], "little") != key_digest(key):
+            return None, "written under another key"
         return payload, ""

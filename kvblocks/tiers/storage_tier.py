@@ -13,7 +13,10 @@ and a reader thread do the I/O and hand results back through queues::
 The index learns from successful writes, from probes (``probe``: are this prompt's
 blocks stored by some other node?) and forgets hashes a read finds missing or corrupt.
 It may be stale -- another node's budget evicted an entry -- which costs a miss, never
-wrong KV: every entry is checked against its header and checksum when read.
+wrong KV: every entry is checked against its header, checksum and key when read.
+
+Keys carry the entry format's tag (:attr:`EntryFormat.tag`), so a node whose KV format differs
+(a bfloat16 deployment beside a float16 one) neither finds nor skips writing the other's entries.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ __all__ = ["LoadOutcome", "StorageTier", "StorageTierStats"]
 _log = logging.getLogger("kvblocks.tiers")
 _MAX_QUEUED_PROBES = 256
 _FOREIGN = frozenset({"other format version", "other scheme, dtype, shape or spec"})
+_WRONG_KEY = "written under another key"
 
 Payload = memoryview
 
@@ -54,6 +58,8 @@ class StorageTierStats:
     loads_missing: int = 0
     loads_corrupt: int = 0
     loads_incompatible: int = 0
+    loads_wrong_key: int = 0
+    """Sound entries whose header names another key (copied or renamed): a miss, and removed."""
     loads_beyond_a_miss: int = 0
     load_timeouts: int = 0
     loads_cancelled: int = 0
@@ -137,7 +143,8 @@ class StorageTier:
         return self._healthy
 
     def keys_of(self, block_hash: BlockHash) -> list[str]:
-        return [block_key(self._tag, self._scheme, block_hash, rank) for rank in self._ranks]
+        tag, scheme, fmt = self._tag, self._scheme, self.format.tag
+        return [block_key(tag, scheme, block_hash, rank, format_tag=fmt) for rank in self._ranks]
 
     # ------------------------------------------------------------------ index (scheduler thread)
 
@@ -215,7 +222,7 @@ class StorageTier:
                 raise InvalidArgumentError(f"expected one payload per rank ({shards}), got {len(parts)}")
             for key, part in zip(self.keys_of(h), parts, strict=True):
                 try:
-                    items.append((key, encode(part)))
+                    items.append((key, encode(part, key)))
                 except (TypeError, ValueError) as e:
                     raise InvalidArgumentError(f"payload of a block to save: {e}") from None
                 owners.append(h)
@@ -329,9 +336,10 @@ class StorageTier:
     def _read(self, hashes: tuple[BlockHash, ...]) -> LoadOutcome:
         """One batched get; decode every shard; keep the leading run whose shards are all sound.
 
-        Corrupt entries (bad magic, short, checksum mismatch) are deleted; an entry another
-        cache spec or format version wrote is a miss but is left for its readers. Hashes that
-        failed leave the index.
+        Corrupt entries (bad magic, short, checksum mismatch) and entries written under another
+        key are deleted (the writer skips keys that exist, so they would block the rightful
+        entry); an entry another cache spec or format version wrote is a miss but is left for
+        its readers. Hashes that failed leave the index.
         """
         shards = len(self._ranks)
         keys = [key for h in hashes for key in self.keys_of(h)]
@@ -340,27 +348,33 @@ class StorageTier:
         decoded: list[tuple[Payload, ...]] = []
         failed: list[BlockHash] = []
         corrupt: list[str] = []
+        misplaced: list[str] = []
         absent = foreign = 0
         for i, h in enumerate(hashes):
             parts = []
             for j in range(shards):
-                payload, reason = decode(values[i * shards + j])
+                key = keys[i * shards + j]
+                payload, reason = decode(values[i * shards + j], key)
                 if payload is not None:
                     parts.append(payload)
                 elif reason == "absent":
                     absent += 1
                 elif reason in _FOREIGN:
                     foreign += 1  # sound, but another spec's or format version's: a miss, left alone
+                elif reason == _WRONG_KEY:
+                    misplaced.append(key)
                 else:
-                    corrupt.append(keys[i * shards + j])
+                    corrupt.append(key)
             if len(parts) < shards:
                 failed.append(h)
             elif len(failed) == 0:
                 decoded.append(tuple(parts))
         usable = len(decoded)
-        if corrupt:
-            _log.warning("%d corrupt storage entries removed", len(corrupt))
-            self.backend.delete(corrupt)
+        if corrupt or misplaced:
+            _log.warning(
+                "%d corrupt storage entries and %d written under another key removed", len(corrupt), len(misplaced)
+            )
+            self.backend.delete(corrupt + misplaced)
         if failed:
             self._forget(failed)
         stats = self.stats
@@ -368,6 +382,7 @@ class StorageTier:
         stats.loads_missing += absent
         stats.loads_incompatible += foreign
         stats.loads_corrupt += len(corrupt)
+        stats.loads_wrong_key += len(misplaced)
         stats.loads_beyond_a_miss += max(0, len(hashes) - usable - 1)
         return LoadOutcome(tuple(decoded))
 

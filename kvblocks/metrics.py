@@ -193,7 +193,7 @@ _DOCS: dict[str, str] = {
     "kvblocks_swaps": "Block copies between device and host (out: device to host), by outcome.",
     "kvblocks_host_writes_dropped": "Blocks that were to be copied to host but found no host block to take.",
     "kvblocks_storage_reads": "Blocks read from storage, by outcome (incompatible: another spec's entry; "
-    "cancelled: not read, the admission went away).",
+    "wrong_key: an entry written under another key, removed; cancelled: not read, the admission went away).",
     "kvblocks_storage_reads_requested": "Blocks admissions asked storage for.",
     "kvblocks_storage_writes": "Storage entries to write, by outcome (dropped: queue full or left at close; "
     "no_payload: a plan completed without the saved bytes).",
@@ -403,6 +403,7 @@ def _collect_tiers(f: _Families, cache: dict[str, str], manager: TieredKVCacheMa
         ("missing", reads.loads_missing),
         ("corrupt", reads.loads_corrupt),
         ("incompatible", reads.loads_incompatible),
+        ("wrong_key", reads.loads_wrong_key),
         ("timeout", reads.load_timeouts),
         ("error", reads.load_errors),
         ("cancelled", reads.loads_cancelled),

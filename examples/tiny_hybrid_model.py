@@ -20,15 +20,22 @@ Run:  python examples/tiny_hybrid_model.py
 
 from __future__ import annotations
 
-import random
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from kvblocks.backends import KVCacheSpec, get_backend
 from kvblocks.backends.cache import KVCache
 from kvblocks.hybrid import PLACEHOLDER, HybridKVCacheManager, LocalGroup
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling example, imported as a module
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tiny_model  # its weights, RoPE, norm, prompts and comparison serve this model too
+from tiny_model import max_logit_difference, shared_prefix_prompts  # re-exported
 
 FULL, WINDOW = 0, 1  # group indices in the manager: the base (full) group, then the one local group
 
@@ -70,42 +77,14 @@ class TinyHybridConfig:
 KVSource = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-class TinyHybridModel:
-    """Random weights from a fixed seed; a forward pass over paged KV and a dense reference."""
+class TinyHybridModel(tiny_model.TinyModel):
+    """TinyModel's weights (the same seed gives the same ones), RoPE and norm; a forward pass over each group's
+    paged KV with per-layer windows, and a dense reference."""
 
     def __init__(self, config: TinyHybridConfig = TinyHybridConfig()) -> None:
-        self.config = config
+        super().__init__(config)  # type: ignore[arg-type]  # the same fields, plus the window
+        self.config: TinyHybridConfig = config  # type: ignore[assignment]
         self.tokens_computed = 0  # every token a forward pass computed, counted by the model itself
-        g = torch.Generator().manual_seed(config.seed)
-
-        def weight(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=g).div(shape[0] ** 0.5)
-
-        c = config
-        self.embed = torch.randn(c.vocab, c.dim, generator=g)
-        self.layers = [
-            {
-                "wq": weight(c.dim, c.num_heads * c.head_dim),
-                "wk": weight(c.dim, c.num_kv_heads * c.head_dim),
-                "wv": weight(c.dim, c.num_kv_heads * c.head_dim),
-                "wo": weight(c.num_heads * c.head_dim, c.dim),
-                "w1": weight(c.dim, c.ffn_dim),
-                "w2": weight(c.ffn_dim, c.dim),
-            }
-            for _ in range(c.num_layers)
-        ]
-        self.lm_head = weight(c.dim, c.vocab)
-        self._inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
-
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        angles = positions[:, None].float() * self._inv_freq[None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-
-    @staticmethod
-    def _norm(x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
     def first_key(self, layer: int, position: int) -> int:
         """The oldest position a query at ``position`` attends to in ``layer``."""
@@ -186,14 +165,10 @@ def _slots(table: list[int], positions: torch.Tensor, size: int) -> tuple[torch.
 
 
 @dataclass
-class Run:
-    """Per request: logits of its last prompt token and of every decode step, and its tokens."""
+class Run(tiny_model.Run):
+    """TinyModel's run record (computed_tokens as counted by the model), plus the tokens hits skipped."""
 
-    logits: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    prompt_tokens: int = 0
     hit_tokens: int = 0
-    computed_tokens: int = 0  # as counted by the model
 
 
 Hook = Callable[[str, int, HybridKVCacheManager, dict[int, KVCache]], None]
@@ -290,26 +265,6 @@ def reference(model: TinyHybridModel, run: Run) -> Run:
         ref.tokens[request] = tokens
         ref.logits[request] = list(model.forward_dense(tokens)[prompt - 1 :])
     return ref
-
-
-def shared_prefix_prompts(seed: int = 0, vocab: int = 256) -> dict[str, list[int]]:
-    """Prompts over two shared system prompts (both longer than the window), one conversation continued."""
-    rng = random.Random(seed)
-    system_a = [rng.randrange(vocab) for _ in range(23)]
-    system_b = [rng.randrange(vocab) for _ in range(17)]
-    user = [[rng.randrange(vocab) for _ in range(rng.randint(3, 9))] for _ in range(6)]
-    return {
-        "a1": system_a + user[0],
-        "a2": system_a + user[1],
-        "b1": system_b + user[2],
-        "a3": system_a + user[0] + user[3],
-        "b2": system_b + user[4],
-        "a4": system_a + user[0] + user[3] + user[5],
-    }
-
-
-def max_logit_difference(a: Run, b: Run) -> float:
-    return max(float((x - y).abs().max()) for r in a.logits for x, y in zip(a.logits[r], b.logits[r], strict=True))
 
 
 def main() -> None:

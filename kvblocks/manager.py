@@ -303,8 +303,12 @@ class KVCacheManager:
             raise InvalidTokenError(f"sequence {seq_id!r} has no tokens; a prompt needs at least one")
         if not isinstance(skip_cache_read, bool):
             raise InvalidArgumentError(f"skip_cache_read must be a bool, got {skip_cache_read!r}")
-        self._seqs[seq_id] = _Sequence(content, skip_cache_read)
+        s = self._seqs[seq_id] = _Sequence(content, skip_cache_read)
         self._freed.pop(seq_id, None)
+        self._registered(seq_id, s)
+
+    def _registered(self, seq_id: Hashable, s: _Sequence) -> None:
+        """``seq_id`` was just registered (a storage tier asks which of its blocks it holds). None here."""
 
     def _content(
         self,

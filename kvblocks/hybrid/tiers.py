@@ -38,13 +38,13 @@ of its own (``TierConfig.group_host_blocks``) that the blocks its index evicts m
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 
 from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, StaleLookupError
 from kvblocks.events import EventSink
-from kvblocks.hashing import DEFAULT_SCHEME, BlockExtras, BlockHash, Namespace
+from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
 from kvblocks.hybrid.hits import longest_common_hit, needed_blocks
 from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup, _Local
 from kvblocks.hybrid.recurrent import RecurrentGroup
@@ -254,28 +254,11 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
 
     # ------------------------------------------------------------------ registration
 
-    def add_sequence(
-        self,
-        seq_id: Hashable,
-        token_ids: Iterable[int] | None = None,
-        *,
-        extras: BlockExtras | None = None,
-        block_hashes: Iterable[BlockHash] | None = None,
-        num_tokens: int | None = None,
-        skip_cache_read: bool = False,
-    ) -> None:
+    def _registered(self, seq_id: Hashable, s: _Sequence) -> None:
         """As the tiered manager's; each local group's storage is also asked (off-thread) which blocks it holds."""
-        super().add_sequence(
-            seq_id,
-            token_ids,
-            extras=extras,
-            block_hashes=block_hashes,
-            num_tokens=num_tokens,
-            skip_cache_read=skip_cache_read,
-        )
-        if skip_cache_read or not self._caching or not any(self._group_storages):
+        super()._registered(seq_id, s)
+        if s.skip_read or not self._caching or not any(self._group_storages):
             return
-        s = self._seqs[seq_id]
         limit = self._cacheable_blocks(s.content.num_tokens)
         probes = []
         for number, storage in enumerate(self._group_storages):

@@ -26,7 +26,7 @@ Per step, an engine does: scheduling calls (allocate / free / preempt), then
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import TypeVar
@@ -35,7 +35,7 @@ from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, SequenceStateError
 from kvblocks.events import EventSink
-from kvblocks.hashing import DEFAULT_SCHEME, BlockExtras, BlockHash, Namespace
+from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
 from kvblocks.manager import BlockTable, KVCacheManager, _count_arg, _Sequence
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.host import HostTier
@@ -237,28 +237,10 @@ class TieredKVCacheManager(KVCacheManager):
 
     # ------------------------------------------------------------------ registration and queries
 
-    def add_sequence(
-        self,
-        seq_id: Hashable,
-        token_ids: Iterable[int] | None = None,
-        *,
-        extras: BlockExtras | None = None,
-        block_hashes: Iterable[BlockHash] | None = None,
-        num_tokens: int | None = None,
-        skip_cache_read: bool = False,
-    ) -> None:
-        """As :meth:`KVCacheManager.add_sequence`; with a storage tier, also asks (off-thread) which blocks it holds."""
-        super().add_sequence(
-            seq_id,
-            token_ids,
-            extras=extras,
-            block_hashes=block_hashes,
-            num_tokens=num_tokens,
-            skip_cache_read=skip_cache_read,
-        )
+    def _registered(self, seq_id: Hashable, s: _Sequence) -> None:
+        """With a storage tier, ask (off-thread) which of the new sequence's blocks it holds."""
         storage = self._storage
-        if storage is not None and self._caching and not skip_cache_read:
-            s = self._seqs[seq_id]
+        if storage is not None and self._caching and not s.skip_read:
             limit = self._cacheable_blocks(s.content.num_tokens)
             start = self._match_length(s)
             if start < limit:

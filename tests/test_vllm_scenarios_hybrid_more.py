@@ -27,17 +27,16 @@ alignment tests (a window group finer than full attention, which kvblocks cannot
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import pytest
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.event_codec import BlockRemoved, BlockStored, KVEvent
 from kvblocks.events import EventSink
-from kvblocks.hashing import BlockHash
 from kvblocks.hybrid import PLACEHOLDER, HybridKVCacheManager, LocalGroup
 from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy
+from tests.test_vllm_scenarios_mamba import evicted, index_of  # the same lookup mock, recurrent groups included
 
 B = 16
 X = PLACEHOLDER
@@ -54,25 +53,6 @@ def prompt(num_blocks: int, tail: list[int], block_size: int = B) -> list[int]:
 def tables(m: HybridKVCacheManager, seq: str) -> list[list[int]]:
     """The block tables of every attention group (recurrent groups have none)."""
     return [m.group_block_table(seq, g) for g in range(m.num_groups) if m.group_kinds[g] != "recurrent"]
-
-
-def index_of(m: HybridKVCacheManager, group: int) -> dict[BlockHash, int]:
-    """Group ``group``'s key -> block map: what vLLM's tests pop from."""
-    if group == 0:
-        return m.tree._block_of
-    return m._locals[group - 1].index._block_of
-
-
-@contextmanager
-def evicted(m: HybridKVCacheManager, entries: Sequence[tuple[int, BlockHash]]) -> Iterator[None]:
-    """vLLM's ``_test_partial_request_hit`` mock: hide (group, key) entries around pure lookups."""
-    saved = [(index_of(m, g), h, index_of(m, g).pop(h)) for g, h in entries]
-    try:
-        yield
-    finally:
-        for index, h, block in saved:
-            index[h] = block
-        m.check_integrity()
 
 
 def events(sink: EventSink) -> list[KVEvent]:

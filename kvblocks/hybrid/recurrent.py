@@ -87,7 +87,6 @@ class _Recurrent:
 
     __slots__ = (
         "block_size",
-        "every",
         "free_slots",
         "held",
         "held_inflight",
@@ -108,7 +107,6 @@ class _Recurrent:
         self.number = number  # the group's index in the manager
         self.rule = GroupHitRule("recurrent")
         self.block_size = block_size
-        self.every = group.checkpoint_every
         self.step = group.checkpoint_every * block_size  # tokens between checkpoints
         self.num_slots = group.num_slots
         self.free_slots = list(range(group.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
@@ -144,8 +142,7 @@ class _Recurrent:
 
     def admit(self, key: int, hashes: Sequence[BlockHash], hit: int) -> None:
         """Give a sequence a slot holding the state at ``hit``: restored from its checkpoint, or zeroed."""
-        slot = self.free_slots.pop()
-        self.slots[key] = slot
+        slot = self.receive(key)
         if hit:
             checkpoint: int = self.checkpoint_at(hashes, hit)  # type: ignore[assignment]
             self.pool._acquire_valid((checkpoint,))

@@ -239,6 +239,7 @@ class HybridKVCacheManager(KVCacheManager):
             *("recurrent" for _ in recurrents),
             *("cross_attention" for _ in crosses),
         )
+        self._checkpoint_step = math.lcm(*(r.step for r in self._recurrents)) if self._recurrents else 0
         self._hit_step = math.lcm(size, *(g.block_size for g in self._locals), *(r.step for r in self._recurrents))
 
     @property
@@ -338,10 +339,8 @@ class HybridKVCacheManager(KVCacheManager):
         takes no checkpoint). None without recurrent groups.
         """
         s = self._get(seq_id)
-        if not self._recurrents:
-            return None
-        step = math.lcm(*(r.step for r in self._recurrents))
-        return (s.num_committed // step + 1) * step
+        step = self._checkpoint_step
+        return (s.num_committed // step + 1) * step if step else None
 
     def take_state_plan(self) -> list[StateCopy]:
         """The state operations planned since the last call, to run in order before the next forward pass.

@@ -81,6 +81,7 @@ __all__ = [
     "hashes_to_json",
     "pack_tokens",
     "validate_block_hashes",
+    "vllm_int_hash",
 ]
 
 BlockHash = bytes | int
@@ -691,3 +692,26 @@ def hashes_from_json(raw: object) -> tuple[BlockHash, ...]:
                 if 2 * len(packed) == len(hexed):  # fromhex skips whitespace: refuse it
                     return tuple(packed[k : k + w] for k in range(0, len(packed), w))
     raise InvalidBlockHashError(f"malformed block hashes {brief(raw)}")
+
+
+# --------------------------------------------------------------------------- vLLM's 64-bit event form
+
+
+_U64 = (1 << 64) - 1
+
+
+def vllm_int_hash(h: BlockHash) -> int:
+    """The 64-bit integer form of a block hash that vLLM's KV events carry (its default,
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): the digest's last 8 bytes, big-endian. An int stays
+    itself (masked to 64 bits), so applying it twice changes nothing.
+
+    >>> vllm_int_hash(bytes(range(16)))
+    579005069656919567
+    >>> vllm_int_hash(vllm_int_hash(bytes(range(16))))
+    579005069656919567
+    """
+    if type(h) is bytes and h:
+        return int.from_bytes(h[-8:], "big")
+    if type(h) is int and h >= 0:
+        return h & _U64
+    raise InvalidBlockHashError(f"cannot convert block hash {brief(h)}: not an int >= 0 or non-empty bytes")

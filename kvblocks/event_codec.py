@@ -13,13 +13,14 @@ hashes]``, ``["C", tier]``. ``hashes`` is ``"W:HEX"`` when all are bytes of widt
 (the usual case: one hex string), else a list of ints and hex strings; ``parent``
 is null, an int or a hex string.
 
-An event of one group of a hybrid model's cache (:mod:`kvblocks.hybrid`) ends with its
-group tag, one JSON object: ``["R", "device", "16:...", {"group": 1, "kind":
-"sliding_window"}]``. ``group`` is the group's index in its manager (0: full attention,
-1, 2, ...: the other groups), ``kind`` one of :data:`EVENT_GROUP_KINDS`. An untagged
-event (a single-group cache) is written exactly as before the tag existed, so old
-producers and consumers keep working; an old consumer refuses a tagged event as
-malformed rather than mistaking a sliding-window group's removals for the prefix's.
+An event may end with one JSON object of metadata, each key optional: ``group`` and ``kind``
+(the group of a hybrid model's cache it is about: ``["R", "device", "16:...", {"group": 1, "kind":
+"sliding_window"}]``; ``group`` is the group's index in its manager -- 0: full attention, 1, 2, ...:
+the other groups -- and ``kind`` one of :data:`EVENT_GROUP_KINDS`, which a foreign producer may leave
+out), and for ``"S"`` events ``block_size``, ``lora_id`` and ``lora_name``. An event without any is
+written exactly as before the metadata existed, so old producers and consumers keep working; an old
+consumer refuses an event with metadata as malformed (a gap it recovers from) rather than mistaking a
+sliding-window group's removals for the prefix's.
 
 :func:`decode_batch` reads bytes from outside (another process, a shared stream):
 whatever they hold, it returns a batch or raises :class:`kvblocks.errors.EventDecodeError`,
@@ -55,6 +56,7 @@ __all__ = [
     "KVEvent",
     "decode_batch",
     "encode_batch",
+    "is_event_group",
     "is_group_tag",
 ]
 
@@ -68,10 +70,12 @@ here because this layer is below :mod:`kvblocks.hybrid` (a test keeps the two eq
 class BlockStored:
     """Blocks became findable in ``tier``; ``block_hashes`` form a chain hanging off ``parent_hash``.
 
-    ``token_ids``, when a producer knows them, are the tokens of those blocks (in order).
-    ``group`` and ``group_kind`` name the group of a hybrid model's cache the event is about
-    (both None: a single-group cache). ``parent_hash`` is the chain's previous hash even when
-    that group does not hold it (a sliding-window group keeps only a window of the chain).
+    The fields after ``tier`` are what vLLM's ``BlockStored`` carries besides, each None when the
+    producer does not know it: ``token_ids`` (the tokens of those blocks, in order), ``group`` /
+    ``group_kind`` (the group of a hybrid model's cache; a foreign producer may name a group without
+    its kind), ``block_size`` (tokens per block), ``lora_id`` / ``lora_name`` (the adapter the blocks
+    were computed with). ``parent_hash`` is the chain's previous hash even when that group does not
+    hold it (a sliding-window group keeps only a window of the chain).
     """
 
     block_hashes: tuple[BlockHash, ...]
@@ -80,6 +84,9 @@ class BlockStored:
     token_ids: tuple[int, ...] | None = None
     group: int | None = None
     group_kind: str | None = None
+    block_size: int | None = None
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,17 +157,57 @@ def _is_timestamp(value: object) -> TypeGuard[int | float]:
 
 
 def is_group_tag(group: object, kind: object) -> bool:
-    """Whether ``(group, kind)`` is an event's group tag: both None, or an int in ``0..MAX_INT`` and a known kind."""
+    """Whether ``(group, kind)`` is a producer's group tag: both None, or an int in ``0..MAX_INT`` and a known kind."""
     if group is None and kind is None:
         return True
     return type(group) is int and 0 <= group <= MAX_INT and type(kind) is str and kind in EVENT_GROUP_KINDS
 
 
-def _group_from_json(raw: dict[str, Any]) -> tuple[int, str]:
+def is_event_group(group: object, kind: object) -> bool:
+    """Whether an event may carry ``(group, kind)``: a group tag, or a group whose producer named no kind
+    (vLLM's ``BlockRemoved`` carries only ``group_idx``)."""
+    return is_group_tag(group, kind) or (kind is None and type(group) is int and 0 <= group <= MAX_INT)
+
+
+_META_KEYS = frozenset(("group", "kind", "block_size", "lora_id", "lora_name"))
+_STORED_ONLY_KEYS = frozenset(("block_size", "lora_id", "lora_name"))
+
+
+def _is_positive(value: object) -> bool:
+    return type(value) is int and 1 <= value <= MAX_INT
+
+
+def _check_stored_fields(event: BlockStored) -> str | None:
+    """What is wrong with a ``BlockStored``'s optional fields (None: nothing)."""
+    if event.token_ids is not None and not all(_is_token(t) for t in event.token_ids):
+        return f"token ids must be ints in [0, 2**32), got {brief(event.token_ids)}"
+    if event.block_size is not None and not _is_positive(event.block_size):
+        return f"block_size must be an int in 1..{MAX_INT}, got {brief(event.block_size)}"
+    if event.lora_id is not None and not _is_count(event.lora_id):
+        return f"lora_id must be an int >= 0, got {brief(event.lora_id)}"
+    if event.lora_id is not None and event.lora_id > MAX_INT:
+        return f"lora_id must be at most {MAX_INT}, got {event.lora_id}"
+    if event.lora_name is not None and not (is_text(event.lora_name) and event.lora_name):
+        return f"lora_name must be a non-empty str, got {brief(event.lora_name)}"
+    if event.token_ids is not None and event.block_size is not None:
+        expected = event.block_size * len(event.block_hashes)
+        if len(event.token_ids) != expected:
+            return (
+                f"{len(event.token_ids)} token ids for {len(event.block_hashes)} blocks of {event.block_size} tokens "
+                f"(expected {expected})"
+            )
+    return None
+
+
+def _meta_from_json(raw: dict[str, Any], tag: str) -> dict[str, Any]:
+    """The trailing object of an event: its group tag and (``BlockStored`` only) block size and LoRA."""
+    keys = set(raw)
+    if not raw or keys - _META_KEYS or (tag != "S" and keys & _STORED_ONLY_KEYS):
+        raise EventDecodeError(f"malformed event metadata {brief(raw)} in event batch")
     group, kind = raw.get("group"), raw.get("kind")
-    if len(raw) != 2 or group is None or not is_group_tag(group, kind):
+    if ("kind" in raw and kind is None) or ("group" in raw and group is None) or not is_event_group(group, kind):
         raise EventDecodeError(f"malformed group tag {brief(raw)} in event batch")
-    return group, kind  # type: ignore[return-value]  # checked by is_group_tag
+    return raw
 
 
 def _hash_from_json(raw: object) -> BlockHash:
@@ -182,51 +229,70 @@ def _event_to_json(event: KVEvent) -> list[Any]:
         raise InvalidArgumentError(f"not a KV event: {event!r}")
     if type(event.tier) is not str:
         raise InvalidArgumentError(f"an event's tier must be a str, got {event.tier!r}")
-    if not is_group_tag(event.group, event.group_kind):
+    if not is_event_group(event.group, event.group_kind):
         raise InvalidArgumentError(
-            f"an event's group must be an int in 0..{MAX_INT} and its group_kind one of "
-            f"{', '.join(EVENT_GROUP_KINDS)}, both or neither; got {brief(event.group)}, {brief(event.group_kind)}"
+            f"an event's group must be an int in 0..{MAX_INT} and its group_kind None or one of "
+            f"{', '.join(EVENT_GROUP_KINDS)} (a kind needs a group); "
+            f"got {brief(event.group)}, {brief(event.group_kind)}"
         )
-    out = _untagged_to_json(event)
+    meta: dict[str, Any] = {}
     if event.group is not None:
-        out.append({"group": event.group, "kind": event.group_kind})
-    return out
-
-
-def _untagged_to_json(event: KVEvent) -> list[Any]:
+        meta["group"] = event.group
+        if event.group_kind is not None:
+            meta["kind"] = event.group_kind
     if isinstance(event, BlockStored):
+        problem = _check_stored_fields(event)
+        if problem is not None:
+            exc = InvalidTokenError if problem.startswith("token ids") else InvalidArgumentError
+            raise exc(f"cannot encode BlockStored: {problem}")
         parent = None if event.parent_hash is None else hash_to_json(event.parent_hash)
         out: list[Any] = ["S", event.tier, hashes_to_json(event.block_hashes), parent]
         if event.token_ids is not None:
-            tokens = list(event.token_ids)
-            if not all(_is_token(t) for t in tokens):
-                raise InvalidTokenError(
-                    f"token ids of a BlockStored event must be ints in [0, 2**32), got {brief(tokens)}"
-                )
-            out.append(tokens)
-        return out
-    if isinstance(event, BlockRemoved):
-        return ["R", event.tier, hashes_to_json(event.block_hashes)]
-    return ["C", event.tier]
+            out.append(list(event.token_ids))
+        for name in ("block_size", "lora_id", "lora_name"):
+            value = getattr(event, name)
+            if value is not None:
+                meta[name] = value
+    elif isinstance(event, BlockRemoved):
+        out = ["R", event.tier, hashes_to_json(event.block_hashes)]
+    else:
+        out = ["C", event.tier]
+    if meta:
+        out.append(meta)
+    return out
 
 
 def _event_from_json(raw: object) -> KVEvent:
     if type(raw) is not list or len(raw) < 2 or type(raw[0]) is not str or not is_text(raw[1]):
         raise EventDecodeError(f"malformed event {brief(raw)} in event batch")
-    group: int | None = None
-    kind: str | None = None
-    if len(raw) > 2 and type(raw[-1]) is dict:  # a trailing object is the group tag, and only that
-        group, kind = _group_from_json(raw[-1])
-        raw = raw[:-1]
     tag, tier = raw[0], raw[1]
+    meta: dict[str, Any] = {}
+    if len(raw) > 2 and type(raw[-1]) is dict:  # a trailing object is the metadata, and only that
+        meta = _meta_from_json(raw[-1], tag)
+        raw = raw[:-1]
+    group, kind = meta.get("group"), meta.get("kind")
     if tag == "S" and len(raw) in (4, 5):
         parent = None if raw[3] is None else _hash_from_json(raw[3])
         tokens: tuple[int, ...] | None = None
         if len(raw) == 5:
-            if type(raw[4]) is not list or not all(_is_token(t) for t in raw[4]):
+            if type(raw[4]) is not list:
                 raise EventDecodeError(f"malformed token ids {brief(raw[4])} in event batch")
             tokens = tuple(raw[4])
-        return BlockStored(_hashes_from_json(raw[2]), parent, tier, tokens, group, kind)
+        event = BlockStored(
+            _hashes_from_json(raw[2]),
+            parent,
+            tier,
+            tokens,
+            group,
+            kind,
+            meta.get("block_size"),
+            meta.get("lora_id"),
+            meta.get("lora_name"),
+        )
+        problem = _check_stored_fields(event)
+        if problem is not None:
+            raise EventDecodeError(f"malformed BlockStored in event batch: {problem}")
+        return event
     if tag == "R" and len(raw) == 3:
         return BlockRemoved(_hashes_from_json(raw[2]), tier, group, kind)
     if tag == "C" and len(raw) == 2:

@@ -167,6 +167,10 @@ class EventPublisher:
     leaves a gap the same way. :meth:`publish_snapshot` answers a resync: the
     producer's whole cache in one batch (not split by ``max_batch``).
 
+    A transport that has a ``send_batch(batch)`` method gets the :class:`EventBatch` itself instead of
+    :func:`encode_batch` bytes: it writes its own wire format (:mod:`kvblocks.interop`) and numbers its
+    messages with ``batch.seq``, so a gap here is a gap on its wire too.
+
     A publisher created for a cache that already holds blocks should start with
     :meth:`publish_snapshot`: consumers accept a producer's first batch without a
     snapshot only when it is batch 0.
@@ -224,10 +228,14 @@ class EventPublisher:
 
     def _send(self, events: tuple[KVEvent, ...], timestamp: float, snapshot: bool) -> None:
         batch = EventBatch(self.producer, self._seq, timestamp, events, snapshot)
-        data = encode_batch(batch)
+        send_batch = getattr(self.transport, "send_batch", None)
+        data = encode_batch(batch) if send_batch is None else b""
         self._seq += 1  # taken even if sending fails: an undelivered batch is a gap downstream
         try:
-            self.transport.send(data)
+            if send_batch is not None:
+                send_batch(batch)  # a transport with a wire format of its own (vLLM's msgpack over ZMQ)
+            else:
+                self.transport.send(data)
         except BaseException:
             self._seq += 1  # the transport may have delivered it and lost what follows: force a gap
             raise

@@ -346,8 +346,10 @@ class Router:
         """Precise mode: update ``worker``'s index from its KV events (``EventConsumer``'s ``on_events``).
 
         The index is the worker's full-attention prefix: only untagged events (a single-group cache) and
-        events of a ``"full"`` group count. A hybrid model's other groups hold other copies of the same
-        hashes (a sliding window keeps and drops them on its own schedule), so their events are skipped
+        events of a ``"full"`` group count -- and, from a producer that names no kind (vLLM's
+        ``BlockRemoved`` carries only a group index), group 0, where single-group engines put their cache.
+        A hybrid model's other groups hold other copies of the same hashes (a sliding window keeps and
+        drops them on its own schedule), so their events are skipped
         -- a window group's ``BlockRemoved`` must not take a hash out while the full group still holds it.
         The overlap is then an upper bound of what a hybrid worker serves (its windows may be gone).
         """
@@ -355,7 +357,8 @@ class Router:
         for event in events:
             if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
                 raise InvalidArgumentError(f"not a KV event: {type(event).__name__}")
-            if event.group_kind is not None and event.group_kind != "full":
+            kind = event.group_kind
+            if (kind is not None and kind != "full") or (kind is None and event.group not in (None, 0)):
                 continue  # another group's copy of the chain: not the prefix this index scores
             if isinstance(event, BlockStored):
                 self._add(w, event.tier, event.block_hashes)

@@ -174,6 +174,10 @@ H16 = [bytes([k]) * 16 for k in range(1, 6)]
         (stored(5, parent=None, tokens=(), group=3, kind="recurrent"), stored(6, group=4, kind="cross_attention")),
         (BlockRemoved((H16[0],), "device", 1, "sliding_window"), BlockRemoved((), "host", 0, "full")),
         (AllBlocksCleared("device", 2, "chunked_local"), AllBlocksCleared("device"), BlockRemoved((H16[1],), "device")),
+        # vLLM's fields: block size, LoRA, a group whose producer named no kind
+        (BlockStored((H16[0], H16[1]), None, "host", (1, 2, 3, 4), block_size=2, lora_id=3, lora_name="sql-lora"),),
+        (BlockStored((H16[0],), None, "device", None, 1, None, block_size=16), BlockRemoved((H16[0],), "device", 1)),
+        (BlockStored((9,), 8, "storage", lora_name="\u00e9", lora_id=2**63 - 1), AllBlocksCleared("device", 0)),
     ],
 )
 @pytest.mark.parametrize("snapshot", [False, True])
@@ -241,6 +245,32 @@ def test_a_group_tag_travels_as_one_trailing_object() -> None:
         b'["C","device",{"group":0,"kind":"full"}]]}'
     )
     assert decode_batch(encode_batch(batch)) == batch
+
+
+def test_block_size_and_lora_travel_in_the_trailing_object_with_the_group() -> None:
+    event = BlockStored((b"\x01\x02",), None, "host", (5, 6), 1, "full", block_size=2, lora_id=7, lora_name="a")
+    data = encode_batch(EventBatch("w", 0, 1.0, (event, BlockRemoved((3,), "device", 2))))
+    assert data.endswith(
+        b'"events":[["S","host","2:0102",null,[5,6],{"group":1,"kind":"full","block_size":2,"lora_id":7,'
+        b'"lora_name":"a"}],["R","device",[3],{"group":2}]]}'
+    )
+    assert decode_batch(data).events[0] == event
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        BlockStored((1,), None, "device", (1, 2, 3), block_size=2),  # 3 tokens cannot be one block of 2
+        BlockStored((1,), None, "device", block_size=0),
+        BlockStored((1,), None, "device", lora_id=-1),
+        BlockStored((1,), None, "device", lora_name=""),
+        BlockRemoved((1,), "device", None, "full"),  # a kind needs a group
+        BlockRemoved((1,), "device", -1),
+    ],
+)
+def test_events_with_inconsistent_fields_have_no_encoding(event) -> None:
+    with pytest.raises(InvalidArgumentError):
+        encode_batch(EventBatch("w", 0, 1.0, (event,)))
 
 
 def test_the_kinds_an_event_may_name_are_the_hybrid_layouts() -> None:
@@ -319,8 +349,17 @@ def _payload(**changes) -> bytes:
         _payload(events=[["C", "device", {"group": 1, "kind": "window"}]]),
         _payload(events=[["C", "device", {"group": 1, "kind": "Full"}]]),
         _payload(events=[["C", "device", {"group": 1, "kind": 0}]]),
-        _payload(events=[["C", "device", {"group": 1, "kind": None}]]),
-        _payload(events=[["C", "device", {"group": 1}]]),
+        _payload(events=[["C", "device", {"group": 1, "kind": None}]]),  # a kind left out is absent, not null
+        # metadata of a stored block: block size and LoRA only on "S", each in range, tokens matching
+        _payload(events=[["R", "device", "2:0102", {"block_size": 16}]]),
+        _payload(events=[["C", "device", {"lora_name": "a"}]]),
+        _payload(events=[["S", "device", "2:0102", None, {"block_size": 0}]]),
+        _payload(events=[["S", "device", "2:0102", None, {"block_size": True}]]),
+        _payload(events=[["S", "device", "2:0102", None, {"lora_id": -1}]]),
+        _payload(events=[["S", "device", "2:0102", None, {"lora_id": 2**63}]]),
+        _payload(events=[["S", "device", "2:0102", None, {"lora_name": ""}]]),
+        _payload(events=[["S", "device", "2:0102", None, {"lora_name": 3}]]),
+        _payload(events=[["S", "device", "2:0102", None, [1, 2, 3], {"block_size": 2}]]),  # 3 tokens, 1 block of 2
         _payload(events=[["C", "device", {"kind": "full"}]]),
         _payload(events=[["C", "device", {}]]),
         _payload(events=[["C", "device", {"group": 1, "kind": "full", "x": 0}]]),
@@ -421,7 +460,6 @@ def test_nan_timestamp_is_refused_both_ways() -> None:
         EventBatch("w", 0, 0.0, (stored(1, parent="p"),)),
         EventBatch("w", 0, 0.0, (stored(1, tokens=(1, -2)),)),
         EventBatch("w", 0, 0.0, ("not an event",)),  # type: ignore[arg-type]
-        EventBatch("w", 0, 0.0, (stored(1, group=1),)),  # a group without its kind
         EventBatch("w", 0, 0.0, (BlockRemoved((1,), "device", None, "full"),)),  # a kind without its group
         EventBatch("w", 0, 0.0, (AllBlocksCleared("device", -1, "full"),)),
         EventBatch("w", 0, 0.0, (AllBlocksCleared("device", True, "full"),)),  # type: ignore[arg-type]

@@ -1,0 +1,55 @@
+"""vLLM's event fields in kvblocks' events: groups without a kind, and transports with a wire format of their own."""
+
+from __future__ import annotations
+
+from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventPublisher, EventSink
+from kvblocks.routing import Router, RouterConfig
+
+
+def _router() -> Router:
+    return Router(["w"], RouterConfig(block_size=4))
+
+
+def test_a_group_without_a_kind_counts_as_the_prefix_only_when_it_is_group_0() -> None:
+    router = _router()
+    router.apply_events("w", [BlockStored((1, 2), None, "device", None, 0), BlockStored((3,), 2, "device", None, 1)])
+    assert router.overlaps([1, 2, 3]) == {"w": 2.0}
+    # vLLM's BlockRemoved names only the group index: group 1's removal leaves group 0's copy in the index
+    router.apply_events("w", [BlockRemoved((1,), "device", 1), AllBlocksCleared("device", 1)])
+    assert router.overlaps([1, 2, 3]) == {"w": 2.0}
+    router.apply_events("w", [BlockRemoved((2,), "device", 0)])
+    assert router.overlaps([1, 2, 3]) == {"w": 1.0}
+
+
+class _BatchTransport:
+    """A transport that writes its own wire format: it gets the batches, not kvblocks' JSON."""
+
+    def __init__(self) -> None:
+        self.batches: list[EventBatch] = []
+        self.payloads: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.payloads.append(data)
+
+    def send_batch(self, batch: EventBatch) -> None:
+        self.batches.append(batch)
+
+    def receive(self, max_count: int = 100, timeout_s: float = 0.0) -> list[bytes]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_transport_with_send_batch_gets_the_numbered_batches_and_sees_the_gaps() -> None:
+    sink = EventSink(capacity=2)
+    transport = _BatchTransport()
+    publisher = EventPublisher("w", sink, transport, max_batch=1)
+    sink.emit(BlockStored((1,), None, "device", (5, 6), block_size=2, lora_name="a"))
+    assert publisher.publish() == 1
+    for h in (2, 3, 4):  # the buffer holds 2: record 1 is lost
+        sink.emit(BlockRemoved((h,), "host"))
+    publisher.publish()
+    assert transport.payloads == []
+    assert [b.seq for b in transport.batches] == [0, 2, 3]  # batch 1 is the lost record's gap
+    assert transport.batches[0].events == (BlockStored((1,), None, "device", (5, 6), block_size=2, lora_name="a"),)

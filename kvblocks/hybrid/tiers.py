@@ -31,6 +31,12 @@ of its own (``TierConfig.group_host_blocks``) that the blocks its index evicts m
   come back in ``complete_transfers(saved_groups={group: [...]})``. Without group formats, storage
   serves group 0 only and a storage block counts only where every local group serves the hit from
   device or host.
+* Events: with an ``event_sink``, every group's host and storage tiers emit ``tier="host"`` /
+  ``"storage"`` events tagged with the group's index and kind, as its device index tags its own
+  (group 0: ``(0, "full")``), when and where the tiered manager emits group 0's (see
+  :mod:`kvblocks.tiers.manager`). A router follows the ``"full"`` group only; the local groups'
+  events are for consumers that track windows. :meth:`TieredHybridKVCacheManager.snapshot_events`
+  covers every group and tier.
 * Recurrent groups are refused (:class:`~kvblocks.errors.ConfigError`): their checkpoints have no
   host tier yet.
 """
@@ -43,7 +49,7 @@ from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, StaleLookupError
-from kvblocks.events import EventSink
+from kvblocks.events import BlockStored, EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
 from kvblocks.hybrid.hits import longest_common_hit, needed_blocks
 from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup, _Local
@@ -203,9 +209,12 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
                 f"group_entry_formats names {len(formats)} groups, the manager has {len(self._locals)} local groups"
             )
         on = tiers.host_policy != "off"
-        self._group_hosts = [HostTier(count) if on and count else None for count in per_group] or [
-            None for _ in self._locals
-        ]
+        sink = self._tree.events
+        kinds = self._kinds
+        self._group_hosts = [
+            HostTier(count, events=sink, group=number, group_kind=kinds[number]) if on and count else None
+            for number, count in enumerate(per_group, 1)
+        ] or [None for _ in self._locals]
         self._group_write_back = tiers.host_policy == "write-back"
         self._group_write_through = tiers.host_policy == "write-through"
         self._group_save_back = bool(formats) and tiers.storage_policy == "write-back"
@@ -232,6 +241,9 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
             entry_format=entry_format,  # type: ignore[arg-type]
             tag=tag,
             owns_backend=False,  # group 0's tier closes the backend, after the local groups' tiers
+            events=self._tree.events,
+            group=number + 1,
+            group_kind=self._kinds[number + 1],
         )
 
     def _new_plan(self, plan_id: int) -> _Plan:
@@ -562,6 +574,8 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
                             self._counts.write_backs_without_host_room += 1
                     if save_back:
                         self._plan_local_save(number, "device", block, block_hash)
+                if self._tier_events:
+                    self._publish_tier_events()
         return pool.take_fresh(count)
 
     def _copy_local(self, number: int, block: int, block_hash: BlockHash) -> bool:
@@ -612,6 +626,8 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
                     self._counts.write_backs_without_host_room += 1
                 if save:
                     self._plan_local_save(number, "device", block, block_hash)
+        if self._tier_events:
+            self._publish_tier_events()
 
     def _release(self, s: _Sequence) -> None:
         if s.table is None:
@@ -867,6 +883,30 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
             local.index.insert_run(
                 local.keys(hashes), local.tables[key], local.released[key], s.num_committed // local.block_size
             )
+
+    # ------------------------------------------------------------------ events
+
+    def _publish_tier_events(self) -> None:
+        """Emit what every group's host and storage tiers noted (with a sink only, on the manager's thread)."""
+        super()._publish_tier_events()
+        for host in self._group_hosts:
+            if host is not None:
+                host.publish()
+        for storage in self._group_storages:
+            if storage is not None:
+                storage.publish()
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """Every group's device contents (:meth:`HybridKVCacheManager.snapshot_events`), then each group's
+        host and storage contents, as tagged ``BlockStored`` events. Pure; needs the manager's sink."""
+        events = HybridKVCacheManager.snapshot_events(self) + self._tier_snapshot()
+        for host in self._group_hosts:
+            if host is not None:
+                events += host.snapshot_events()
+        for storage in self._group_storages:
+            if storage is not None:
+                events += storage.snapshot_events()
+        return events
 
     # ------------------------------------------------------------------ maintenance and checks
 

@@ -14,6 +14,13 @@ hash the host lacks. A host block is one of::
 
 Eviction takes the least recently used idle ready block. The block ids index the
 host cache tensors the engine (or :class:`~kvblocks.tiers.TransferExecutor`) owns.
+
+With an event sink, the tier's changes become ``tier="host"`` events: a completed copy is a
+``BlockStored``, an evicted entry a ``BlockRemoved``. They are noted as they happen and emitted,
+in order and batched into runs of one kind, by :meth:`HostTier.publish`, which the manager calls
+at the end of each call that changed the tier (so one write-back of many blocks is one event).
+The index is flat, so a ``BlockStored`` here names a batch of hashes, not a chain, and its
+``parent_hash`` is None (as vLLM's CPU offloading events do).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvblocks.errors import IntegrityError, InvalidArgumentError
+from kvblocks.event_codec import AllBlocksCleared, BlockRemoved, BlockStored, is_group_tag
+from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
 
@@ -28,13 +37,70 @@ __all__ = ["HostTier"]
 
 
 class HostTier:
-    """``num_blocks`` host blocks: a pool (ref counts, fresh queue, idle LRU) plus a hash index."""
+    """``num_blocks`` host blocks: a pool (ref counts, fresh queue, idle LRU) plus a hash index.
 
-    def __init__(self, num_blocks: int) -> None:
+    ``events`` receives this tier's events (see the module docstring), tagged ``group`` /
+    ``group_kind`` as the device index of the same group tags its own (both None: untagged).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        events: EventSink | None = None,
+        group: int | None = None,
+        group_kind: str | None = None,
+    ) -> None:
+        if events is not None and not isinstance(events, EventSink):
+            raise InvalidArgumentError(f"events must be an EventSink or None, got {type(events).__name__}")
+        if not is_group_tag(group, group_kind):
+            raise InvalidArgumentError(f"not an event group tag: {group!r}, {group_kind!r}")
         self.pool = BlockPool(num_blocks)
         self._block_of: dict[BlockHash, int] = {}  # ready blocks
         self._pending: dict[BlockHash, int] = {}  # blocks a copy is being written into
         self.num_evicted = 0
+        self._events = events
+        self.group = group
+        self.group_kind = group_kind
+        # Changes not yet emitted, as runs of (stored?, hashes); None without a sink (nothing is noted).
+        self._log: list[tuple[bool, list[BlockHash]]] | None = None if events is None else []
+
+    @property
+    def events(self) -> EventSink | None:
+        """The sink this tier emits to (None: it emits nothing)."""
+        return self._events
+
+    def hashes(self) -> list[BlockHash]:
+        """The hashes of the ready entries (what a lookup can find). Pure."""
+        return list(self._block_of)
+
+    def _note(self, stored: bool, block_hash: BlockHash) -> None:
+        log: list[tuple[bool, list[BlockHash]]] = self._log  # type: ignore[assignment]  # called with a sink only
+        if log and log[-1][0] is stored:
+            log[-1][1].append(block_hash)
+        else:
+            log.append((stored, [block_hash]))
+
+    def publish(self) -> None:
+        """Emit the changes noted since the last call, in order, one event per run of one kind."""
+        log = self._log
+        if not log:
+            return
+        self._log = []
+        sink: EventSink = self._events  # type: ignore[assignment]  # a log exists only with a sink
+        group, kind = self.group, self.group_kind
+        for stored, hashes in log:
+            if stored:
+                sink.emit(BlockStored(tuple(hashes), None, "host", group=group, group_kind=kind))
+            else:
+                sink.emit(BlockRemoved(tuple(hashes), "host", group, kind))
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """The ready entries as one ``BlockStored`` (none when empty), tagged as this tier's events. Pure."""
+        hashes = tuple(self._block_of)
+        if not hashes:
+            return []
+        return [BlockStored(hashes, None, "host", group=self.group, group_kind=self.group_kind)]
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -91,6 +157,8 @@ class HostTier:
             pool._key[block] = None
             del self._block_of[evicted]  # type: ignore[arg-type]
             self.num_evicted += 1
+            if self._log is not None:
+                self._note(False, evicted)  # type: ignore[arg-type]
         else:
             return None
         pool._ref[block] = 1
@@ -105,14 +173,31 @@ class HostTier:
         if ok:
             self._block_of[block_hash] = block
             self.pool._key[block] = block_hash
+            if self._log is not None:
+                self._note(True, block_hash)
         self.pool._release_valid((block,))
 
     def clear(self) -> None:
-        """Drop every idle ready entry (pending and held ones stay)."""
+        """Drop every idle ready entry (pending and held ones stay).
+
+        With a sink: ``AllBlocksCleared`` when no ready entry is left, else a ``BlockRemoved`` of the
+        dropped ones (after any changes still noted).
+        """
         pool = self.pool
+        dropped: list[BlockHash] = []
         for b in list(pool.idle_lru()):
-            del self._block_of[pool.content_key(b)]  # type: ignore[arg-type]
+            block_hash: BlockHash = pool.content_key(b)  # type: ignore[assignment]
+            del self._block_of[block_hash]
             pool.evict(b)
+            dropped.append(block_hash)
+        if self._log is None:
+            return
+        self.publish()
+        sink: EventSink = self._events  # type: ignore[assignment]
+        if not self._block_of:
+            sink.emit(AllBlocksCleared("host", self.group, self.group_kind))
+        elif dropped:
+            sink.emit(BlockRemoved(tuple(dropped), "host", self.group, self.group_kind))
 
     def check_integrity(self) -> None:
         pool = self.pool

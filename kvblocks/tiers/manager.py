@@ -21,6 +21,14 @@ plans (the engine, or :class:`~kvblocks.tiers.TransferExecutor` when the caches 
 Per step, an engine does: scheduling calls (allocate / free / preempt), then
 ``take_transfers()`` and runs the plan, then ``complete_transfers(plan)``, then applies
 ``poll_loads()``, then the forward pass and ``commit``.
+
+Events: with an ``event_sink``, the host and storage tiers emit ``tier="host"`` / ``"storage"``
+events into it, tagged with group 0's tag as the device tree's are (untagged here; ``(0, "full")``
+in a hybrid manager). Host events are emitted by the call that changed the tier (a write-back in
+``allocate``, a write-through in ``commit``, a completed swap-out in ``complete_transfers``,
+``reset_prefix_cache``); storage events, which the I/O threads note, at the next ``take_transfers``,
+``complete_transfers`` or ``poll_loads`` -- always on the caller's thread. :meth:`snapshot_events`
+covers every tier.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from typing import TypeVar
 from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, SequenceStateError
-from kvblocks.events import EventSink
+from kvblocks.events import BlockStored, EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
 from kvblocks.manager import BlockTable, KVCacheManager, _count_arg, _Sequence
 from kvblocks.tiers.config import TierConfig
@@ -190,9 +198,22 @@ class TieredKVCacheManager(KVCacheManager):
             raise ConfigError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
         self.tiers = tiers
         config = self.config
-        self._host = HostTier(tiers.num_host_blocks) if tiers.host_enabled else None
+        sink = self._tree.events
+        group, kind = self._tree_group  # the tiers' events carry the device tree's group tag
+        self._tier_events = sink is not None
+        self._host = (
+            HostTier(tiers.num_host_blocks, events=sink, group=group, group_kind=kind) if tiers.host_enabled else None
+        )
         self._storage = (
-            StorageTier(tiers, config.namespace, config.hash_scheme, config.block_size)  # type: ignore[arg-type]
+            StorageTier(
+                tiers,
+                config.namespace,  # type: ignore[arg-type]
+                config.hash_scheme,
+                config.block_size,
+                events=sink,
+                group=group,
+                group_kind=kind,
+            )
             if tiers.storage is not None
             else None
         )
@@ -387,6 +408,8 @@ class TieredKVCacheManager(KVCacheManager):
                 evicted = self._tree.evict(short, hashes)
                 if evicted:
                     self._evicted_from_device(evicted, hashes)
+                    if self._tier_events:
+                        self._publish_tier_events()
         return pool.take_fresh(count)
 
     def _evicted_from_device(self, blocks: list[int], hashes: list[BlockHash]) -> None:
@@ -454,6 +477,8 @@ class TieredKVCacheManager(KVCacheManager):
                 self._counts.write_backs_without_host_room += 1
             if self._storage_write_through:
                 self._plan_save("device", node, block_hash)
+        if self._tier_events:
+            self._publish_tier_events()
 
     def preempt(self, seq_id: Hashable) -> None:
         """As :meth:`KVCacheManager.preempt`. With ``save_on_preempt``, committed blocks are first queued
@@ -521,6 +546,8 @@ class TieredKVCacheManager(KVCacheManager):
         self._open = self._new_plan(plan.id + 1)
         if plan.busy():
             self._inflight[plan.id] = plan
+        if self._tier_events:
+            self._publish_tier_events()
         return plan.frozen()
 
     def complete_transfers(
@@ -575,6 +602,8 @@ class TieredKVCacheManager(KVCacheManager):
                     self._finish(admission)
         for order in state.deferred:
             self._pool._release_valid(order)
+        if self._tier_events:
+            self._publish_tier_events()
 
     def _completing(self, plan: TransferPlan, failed_in: set[int], failed_out: set[int]) -> _Plan | None:
         """The in-flight state of ``plan`` once its failure lists are checked (None: an empty plan). Changes nothing."""
@@ -619,6 +648,8 @@ class TieredKVCacheManager(KVCacheManager):
                 storage.cancel(request)
                 storage.note_timeout(admission.num_loads)
                 results.append(self._loaded(admission, LoadOutcome(()), timed_out=True))
+        if self._tier_events:
+            self._publish_tier_events()
         return results
 
     def _loaded(self, admission: _Admission, outcome: LoadOutcome, *, timed_out: bool) -> LoadResult:
@@ -690,6 +721,33 @@ class TieredKVCacheManager(KVCacheManager):
         s.num_covered = valid * self._block_size
         s.num_committed = min(s.num_committed, s.num_covered)
         s.lookahead = 0
+
+    # ------------------------------------------------------------------ events
+
+    def _publish_tier_events(self) -> None:
+        """Emit what the host and storage tiers noted (called, with a sink only, on the manager's thread)."""
+        if self._host is not None:
+            self._host.publish()
+        if self._storage is not None:
+            self._storage.publish()
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """Every tier's contents as ``BlockStored`` events (for ``EventPublisher(snapshot=...)``). Pure.
+
+        The device tree's chains (:meth:`~kvblocks.radix.PrefixTree.snapshot_events`), then the host
+        tier's ready entries and the hashes storage is known to hold, one event each (flat: no parents).
+        Storage notes not yet published stay queued; replayed after the snapshot they change nothing.
+        """
+        return self._tree.snapshot_events() + self._tier_snapshot()
+
+    def _tier_snapshot(self) -> list[BlockStored]:
+        """Group 0's host and storage contents as ``BlockStored`` events. Pure."""
+        events: list[BlockStored] = []
+        if self._host is not None:
+            events += self._host.snapshot_events()
+        if self._storage is not None:
+            events += self._storage.snapshot_events()
+        return events
 
     # ------------------------------------------------------------------ maintenance
 

@@ -15,6 +15,15 @@ blocks stored by some other node?) and forgets hashes a read finds missing or co
 It may be stale -- another node's budget evicted an entry -- which costs a miss, never
 wrong KV: every entry is checked against its header, checksum and key when read.
 
+With an event sink, the index's changes become ``tier="storage"`` events: a hash it learns is stored
+(a write landed, a probe found it) is a ``BlockStored``, one it forgets (a read found it missing,
+corrupt, of another format or under another key; the index's size bound dropped it) a
+``BlockRemoved``. The I/O threads change the index, but an :class:`~kvblocks.events.EventSink` is
+not thread-safe: each change is noted under the index's lock, in the order the index saw it, and
+:meth:`StorageTier.publish` emits the notes from the thread that drives the manager (the manager
+calls it in ``take_transfers``, ``complete_transfers`` and ``poll_loads``). A consumer's view thus
+trails the index by at most a step, and replaying the notes in order gives exactly the index.
+
 Keys carry the entry format's tag (:attr:`EntryFormat.tag`), so a node whose KV format differs
 (a bfloat16 deployment beside a float16 one) neither finds nor skips writing the other's entries.
 """
@@ -32,6 +41,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvblocks.errors import ConfigError, InvalidArgumentError
+from kvblocks.event_codec import BlockRemoved, BlockStored, is_group_tag
+from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash, Namespace
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.entry import EntryFormat, block_key, namespace_tag
@@ -99,13 +110,26 @@ class StorageTier:
         entry_format: EntryFormat | None = None,
         tag: str | None = None,
         owns_backend: bool = True,
+        events: EventSink | None = None,
+        group: int | None = None,
+        group_kind: str | None = None,
     ) -> None:
         """``entry_format`` / ``tag`` (default: the config's format, the namespace's tag) let a hybrid
         manager's local group store under keys and a header of its own in the same backend; only the
-        tier that ``owns_backend`` closes it."""
+        tier that ``owns_backend`` closes it. ``events`` receives the index's changes (see the module
+        docstring), tagged ``group`` / ``group_kind``."""
         entry_format = entry_format if entry_format is not None else config.entry_format
         if config.storage is None or entry_format is None:
             raise ConfigError("StorageTier needs a TierConfig with storage and entry_format")
+        if events is not None and not isinstance(events, EventSink):
+            raise ConfigError(f"events must be an EventSink or None, got {type(events).__name__}")
+        if not is_group_tag(group, group_kind):
+            raise ConfigError(f"not an event group tag: {group!r}, {group_kind!r}")
+        self._events = events
+        self.group = group
+        self.group_kind = group_kind
+        # Index changes not yet emitted, as runs of (stored?, hashes), guarded by _lock; None without a sink.
+        self._log: list[tuple[bool, list[BlockHash]]] | None = None if events is None else []
         self.backend: StorageBackend = config.storage
         self.format: EntryFormat = entry_format
         self.timeout_s = float(config.storage_timeout_s)
@@ -167,16 +191,73 @@ class StorageTier:
     def _remember(self, hashes: Sequence[BlockHash]) -> None:
         with self._lock:
             index = self._index
+            noting = self._log is not None
             for h in hashes:
+                if noting and h not in index:
+                    self._note(True, h)
                 index[h] = None
                 index.move_to_end(h)
             while len(index) > self._index_size:
-                index.popitem(last=False)
+                dropped, _ = index.popitem(last=False)
+                if noting:
+                    self._note(False, dropped)
 
     def _forget(self, hashes: Sequence[BlockHash]) -> None:
         with self._lock:
+            index = self._index
+            noting = self._log is not None
             for h in hashes:
-                self._index.pop(h, None)
+                if h in index:
+                    del index[h]
+                    if noting:
+                        self._note(False, h)
+
+    # ------------------------------------------------------------------ events
+
+    @property
+    def events(self) -> EventSink | None:
+        """The sink this tier emits to (None: it emits nothing)."""
+        return self._events
+
+    def _note(self, stored: bool, block_hash: BlockHash) -> None:
+        """Record an index change (any thread, under ``_lock``; only with a sink)."""
+        log: list[tuple[bool, list[BlockHash]]] = self._log  # type: ignore[assignment]
+        if log and log[-1][0] is stored:
+            log[-1][1].append(block_hash)
+        else:
+            log.append((stored, [block_hash]))
+
+    def publish(self) -> None:
+        """Emit the index changes noted since the last call, in order (one event per run of one kind).
+
+        Call it only from the thread that drives the manager: the sink is not thread-safe.
+        """
+        if not self._log:  # None (no sink) or empty; a note racing this read is emitted next time
+            return
+        with self._lock:
+            log, self._log = self._log, []
+        sink: EventSink = self._events  # type: ignore[assignment]  # a log exists only with a sink
+        group, kind = self.group, self.group_kind
+        for stored, hashes in log:
+            if stored:
+                sink.emit(BlockStored(tuple(hashes), None, "storage", group=group, group_kind=kind))
+            else:
+                sink.emit(BlockRemoved(tuple(hashes), "storage", group, kind))
+
+    def known_hashes(self) -> list[BlockHash]:
+        """The hashes known stored now, least recently learned first (a copy; any thread)."""
+        with self._lock:
+            return list(self._index)
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """The index as one ``BlockStored`` (none when empty), tagged as this tier's events.
+
+        Notes not yet published are left for :meth:`publish`: replayed after the snapshot they change
+        nothing (each hash ends as its last note says, which is what the snapshot holds)."""
+        hashes = tuple(self.known_hashes())
+        if not hashes:
+            return []
+        return [BlockStored(hashes, None, "storage", group=self.group, group_kind=self.group_kind)]
 
     # ------------------------------------------------------------------ writes
 

@@ -119,9 +119,15 @@ class _TimedTree(PrefixTree):
     __slots__ = ("lifetimes",)
 
     def __init__(
-        self, pool: BlockPool, *, events: EventSink | None, group: int | None = None, group_kind: str | None = None
+        self,
+        pool: BlockPool,
+        *,
+        events: EventSink | None,
+        group: int | None = None,
+        group_kind: str | None = None,
+        block_size: int | None = None,
     ) -> None:
-        super().__init__(pool, tier="device", events=events, group=group, group_kind=group_kind)
+        super().__init__(pool, tier="device", events=events, group=group, group_kind=group_kind, block_size=block_size)
         self.lifetimes = BlockLifetimes()
 
     def evict(self, count: int, removed_hashes: list[BlockHash] | None = None) -> list[int]:
@@ -138,6 +144,7 @@ class _Sequence:
     __slots__ = (
         "content",
         "lookahead",
+        "lora_name",
         "num_committed",
         "num_covered",
         "pins",
@@ -150,6 +157,7 @@ class _Sequence:
 
     def __init__(self, content: HashedTokens | PrecomputedHashes, skip_read: bool = False) -> None:
         self.content = content
+        self.lora_name: str | None = None  # the adapter its blocks are computed with (their events name it)
         self.table: list[int] | None = None
         self.view: BlockTable | None = None
         self.pins: dict[int, int] | None = None  # position -> tree node pinned instead of a private duplicate
@@ -235,7 +243,9 @@ class KVCacheManager:
         self._hasher = BlockHasher(config.block_size, config.hash_scheme, config.namespace)
         self._pool = BlockPool(config.num_blocks)
         group, kind = self._tree_group
-        self._tree = _TimedTree(self._pool, events=event_sink, group=group, group_kind=kind)
+        self._tree = _TimedTree(
+            self._pool, events=event_sink, group=group, group_kind=kind, block_size=config.block_size
+        )
         self._seqs: dict[Hashable, _Sequence] = {}
         self._freed: OrderedDict[Hashable, None] = OrderedDict()
         self._counters = HitCounters()
@@ -304,6 +314,8 @@ class KVCacheManager:
         if not isinstance(skip_cache_read, bool):
             raise InvalidArgumentError(f"skip_cache_read must be a bool, got {skip_cache_read!r}")
         s = self._seqs[seq_id] = _Sequence(content, skip_cache_read)
+        if extras is not None:
+            s.lora_name = extras.lora
         self._freed.pop(seq_id, None)
         self._registered(seq_id, s)
 
@@ -624,7 +636,20 @@ class KVCacheManager:
         start = s.num_committed // size
         full = n // size
         if full > start and self._caching:
-            existing = self._tree.insert(s.content.hashes, s.table, start, full)  # type: ignore[arg-type]
+            tree = self._tree
+            if tree._events is None:
+                existing = tree.insert(s.content.hashes, s.table, start, full)  # type: ignore[arg-type]
+            else:  # the event names the blocks' tokens and adapter (package-private: the tokens are not copied)
+                content = s.content
+                tokens = content._tokens if isinstance(content, HashedTokens) else None
+                existing = tree.insert(
+                    content.hashes,
+                    s.table,  # type: ignore[arg-type]
+                    start,
+                    full,
+                    tokens=tokens,
+                    lora_name=s.lora_name,
+                )
             if existing:
                 self._pin_duplicates(s, start, existing)
         s.num_committed = n

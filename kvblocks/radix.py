@@ -78,6 +78,7 @@ class PrefixTree:
         "_num_children",
         "_parent_of",
         "_root",
+        "block_size",
         "group",
         "group_kind",
         "num_evicted",
@@ -93,16 +94,22 @@ class PrefixTree:
         events: EventSink | None = None,
         group: int | None = None,
         group_kind: str | None = None,
+        block_size: int | None = None,
     ) -> None:
         """``group`` / ``group_kind`` tag every event this tree emits: the full-attention group of a hybrid
-        model's manager is group 0 of kind ``"full"``; both None (a single-group cache) leave events untagged."""
+        model's manager is group 0 of kind ``"full"``; both None (a single-group cache) leave events untagged.
+        ``block_size`` (tokens per block) goes into its ``BlockStored`` events, and lets :meth:`insert`
+        give them the blocks' token ids."""
         if not is_group_tag(group, group_kind):
             raise InvalidArgumentError(
                 f"group must be an int >= 0 and group_kind one of {', '.join(EVENT_GROUP_KINDS)}, both or neither; "
                 f"got {group!r}, {group_kind!r}"
             )
+        if block_size is not None and (type(block_size) is not int or block_size < 1):
+            raise InvalidArgumentError(f"block_size must be None or an int >= 1, got {block_size!r}")
         self.pool = pool
         self.tier = tier
+        self.block_size = block_size
         self.group = group
         self.group_kind = group_kind
         self._block_of: dict[BlockHash, int] = {}
@@ -204,7 +211,9 @@ class PrefixTree:
                 b = kids[0]
                 chain.append(hash_of[b])  # type: ignore[arg-type]
                 kids = children.get(b)
-            out.append(BlockStored(tuple(chain), parent_hash, self.tier, None, self.group, self.group_kind))
+            out.append(
+                BlockStored(tuple(chain), parent_hash, self.tier, None, self.group, self.group_kind, self.block_size)
+            )
             if kids:
                 stack.extend(reversed(kids))
         return out
@@ -212,7 +221,14 @@ class PrefixTree:
     # ------------------------------------------------------------------ insert
 
     def insert(
-        self, hashes: Sequence[BlockHash], blocks: Sequence[int], start: int = 0, stop: int | None = None
+        self,
+        hashes: Sequence[BlockHash],
+        blocks: Sequence[int],
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        tokens: Sequence[int] | None = None,
+        lora_name: str | None = None,
     ) -> list[int]:
         """Make ``blocks[start:stop]`` findable under ``hashes[start:stop]``; return what was already cached.
 
@@ -221,8 +237,9 @@ class PrefixTree:
         each position in that run -- usually empty. A caller whose own block differs
         from the returned one computed a duplicate: its block stays private and the
         tree keeps the first. The new blocks must be in use (their KV was just written)
-        and the parent ``hashes[start-1]`` must be cached. Emits one ``BlockStored``.
-        On any error nothing changes.
+        and the parent ``hashes[start-1]`` must be cached. Emits one ``BlockStored``, carrying
+        the new blocks' token ids when ``tokens`` (the sequence's tokens, from its first) and
+        the tree's ``block_size`` are known, and ``lora_name``. On any error nothing changes.
         """
         stop = len(hashes) if stop is None else stop
         if not 0 <= start <= stop <= min(len(hashes), len(blocks)):
@@ -274,8 +291,20 @@ class PrefixTree:
             raise self._insert_problem(hashes, blocks, first_new, max(i, first_new)) from None
         if self._events is not None:
             parent_hash = hashes[first_new - 1] if first_new > 0 else None
+            size = self.block_size
+            token_ids = None if tokens is None or size is None else tuple(tokens[first_new * size : stop * size])
             self._events.emit(
-                BlockStored(tuple(hashes[first_new:stop]), parent_hash, self.tier, None, self.group, self.group_kind)
+                BlockStored(
+                    tuple(hashes[first_new:stop]),
+                    parent_hash,
+                    self.tier,
+                    token_ids,
+                    self.group,
+                    self.group_kind,
+                    size,
+                    None,
+                    lora_name,
+                )
             )
         return existing
 

@@ -58,12 +58,16 @@ from kvblocks.hashing import (
     HashedTokens,
     Namespace,
     validate_block_hashes,
+    vllm_int_hash,
 )
 
 __all__ = ["Lease", "NoWorkerError", "Router", "RouterConfig", "WorkerLoad"]
 
 _log = logging.getLogger("kvblocks.routing")
 TIERS = ("device", "host", "storage")
+HASH_FORMS: dict[str, Callable[[BlockHash], BlockHash] | None] = {"native": None, "vllm-int64": vllm_int_hash}
+"""How the workers' events write a block hash: as the scheme makes it (``"native"``), or as vLLM's
+64-bit integer form (``"vllm-int64"``, vLLM's default: :func:`kvblocks.hashing.vllm_int_hash`)."""
 
 
 class NoWorkerError(KVBlocksError, RuntimeError):
@@ -85,6 +89,9 @@ class RouterConfig:
     block_size: int
     hash_scheme: str = DEFAULT_SCHEME
     namespace: Namespace | str = "default"
+    hash_form: str = "native"
+    """How the workers' events write hashes (:data:`HASH_FORMS`): ``"vllm-int64"`` with a vLLM scheme
+    (``hash_scheme="vllm-sha256"``) indexes a vLLM fleet by recomputing its hashes from the prompt's tokens."""
     mode: str = "precise"
     """precise: indexes follow workers' KV events; approximate: the router's own routing decisions, with a TTL."""
     approx_ttl_s: float = 120.0
@@ -123,6 +130,8 @@ class RouterConfig:
         if self.hash_scheme not in HASH_SCHEMES:
             known = ", ".join(sorted(HASH_SCHEMES))
             raise ConfigError(f"unknown hash scheme {self.hash_scheme!r}; known: {known}")
+        if not isinstance(self.hash_form, str) or self.hash_form not in HASH_FORMS:
+            raise ConfigError(f"hash_form must be one of {', '.join(HASH_FORMS)}, got {self.hash_form!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an int or None, got {self.seed!r}")
         message = f"tier_weights must be (tier, weight) pairs, tiers among {TIERS}, weights numbers >= 0"
@@ -250,6 +259,7 @@ class Router:
         self.config = config
         self._clock = clock
         self._hasher = BlockHasher(config.block_size, config.hash_scheme, config.namespace)
+        self._hash_form = HASH_FORMS[config.hash_form]
         self._weights = {t: float(w) for t, w in config.tier_weights}
         self._workers: dict[Hashable, _Worker] = {}
         self._by_bit: dict[int, _Worker] = {}
@@ -433,6 +443,18 @@ class Router:
 
     # ------------------------------------------------------------------ routing
 
+    def prompt_hashes(self, token_ids: Iterable[int], extras: BlockExtras | None = None) -> list[BlockHash]:
+        """The hashes :meth:`route` scores a prompt's full blocks by: the configured scheme's, written in
+        the workers' ``hash_form`` (what their events carry)."""
+        return self._hash_prompt(token_ids, extras)[0]
+
+    def _hash_prompt(self, token_ids: Iterable[int], extras: BlockExtras | None) -> tuple[list[BlockHash], int]:
+        content = HashedTokens(self._hasher, token_ids, extras)
+        hashes = content.hashes
+        if self._hash_form is not None:
+            hashes = list(map(self._hash_form, hashes))
+        return hashes, content.num_tokens
+
     def overlaps(self, hashes: Sequence[BlockHash]) -> dict[Hashable, float]:
         """Weighted leading overlap of ``hashes`` with every healthy worker's index. Pure."""
         return {self._by_bit[bit].id: v for bit, v in self._overlaps(hashes, self._healthy).items()}
@@ -551,9 +573,7 @@ class Router:
                 raise InvalidArgumentError(f"{len(hashes)} block hashes for a {num_tokens}-token prompt")
             prompt_tokens = num_tokens
         elif token_ids is not None:
-            content = HashedTokens(self._hasher, token_ids, extras)
-            hashes = content.hashes
-            prompt_tokens = content.num_tokens
+            hashes, prompt_tokens = self._hash_prompt(token_ids, extras)
         else:
             raise InvalidArgumentError("route needs the prompt: token_ids, or block_hashes and num_tokens")
         now = self._clock()

@@ -53,3 +53,28 @@ def test_a_transport_with_send_batch_gets_the_numbered_batches_and_sees_the_gaps
     assert transport.payloads == []
     assert [b.seq for b in transport.batches] == [0, 2, 3]  # batch 1 is the lost record's gap
     assert transport.batches[0].events == (BlockStored((1,), None, "device", (5, 6), block_size=2, lora_name="a"),)
+
+
+def test_a_router_of_a_vllm_fleet_scores_prompts_in_the_64_bit_form_its_events_carry() -> None:
+    from kvblocks.hashing import block_hashes, vllm_int_hash
+
+    tokens = list(range(40))
+    native = Router(["w"], RouterConfig(block_size=16))
+    int_form = Router(["w"], RouterConfig(block_size=16, hash_form="vllm-int64"))
+    digests = block_hashes(tokens, 16)
+    assert native.prompt_hashes(tokens) == digests
+    assert int_form.prompt_hashes(tokens) == [int.from_bytes(h[-8:], "big") for h in digests]
+    ints = tuple(vllm_int_hash(h) for h in digests)
+    for router in (native, int_form):
+        router.apply_events("w", [BlockStored(ints, None, "device")])
+    assert int_form.route(tokens).worker == "w" and int_form.overlaps(int_form.prompt_hashes(tokens)) == {"w": 2.0}
+    assert native.overlaps(native.prompt_hashes(tokens)) == {"w": 0.0}  # bytes digests never meet the int form
+
+
+def test_an_unknown_hash_form_is_a_config_error() -> None:
+    import pytest
+
+    from kvblocks.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="hash_form"):
+        RouterConfig(block_size=16, hash_form="int64")

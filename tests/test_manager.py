@@ -517,9 +517,29 @@ def test_events_follow_commits_and_evictions() -> None:
     prefill(m, "b", [7, 8, 9, 10, 11])  # needs 3 blocks: one fresh, two evicted
     records = sink.drain()
     assert [r.seq for r in records] == [0, 1, 2]
-    assert records[0].event == BlockStored(tuple(hashes), None, "device")
+    # vLLM's fields: the stored blocks' tokens (not the partial fifth) and the block size
+    assert records[0].event == BlockStored(tuple(hashes), None, "device", (1, 2, 3, 4), block_size=2)
     assert records[1].event == BlockRemoved((hashes[1], hashes[0]), "device")
     assert isinstance(records[2].event, BlockStored) and records[2].event.parent_hash is None
+
+
+def test_stored_events_name_each_commit_s_new_tokens_and_the_sequence_s_lora() -> None:
+    sink = EventSink()
+    m = KVCacheManager(num_blocks=8, block_size=2, event_sink=sink)
+    tokens = [5, 6, 7, 8, 9]
+    m.add_sequence("a", tokens, extras=BlockExtras(lora="sql"))
+    m.allocate("a", 5)
+    m.commit("a", 3)  # block 0
+    m.commit("a", 5)  # block 1 (token 9 is a partial block)
+    hashes = block_hashes(tokens, 2, extras=BlockExtras(lora="sql"))
+    assert [r.event for r in sink.drain()] == [
+        BlockStored((hashes[0],), None, "device", (5, 6), block_size=2, lora_name="sql"),
+        BlockStored((hashes[1],), hashes[0], "device", (7, 8), block_size=2, lora_name="sql"),
+    ]
+    m.add_sequence("b", block_hashes=[11, 12], num_tokens=4)  # no tokens known: the event says so
+    m.allocate("b", 4)
+    m.commit("b", 4)
+    assert [r.event for r in sink.drain()] == [BlockStored((11, 12), None, "device", None, block_size=2)]
 
 
 def test_reset_prefix_cache() -> None:

@@ -178,7 +178,9 @@ def test_block_stored_event_group_idx(group: int) -> None:
     assert m.take_state_plan() == [StateCopy(2, 0, 1)]
     h0, h1 = m.block_hashes("r")
     stored = of_group(events(sink), group)
-    if group < 2:
+    if group == 0:  # the full group's events name the tokens and block size, as vLLM's do
+        assert stored == [BlockStored((h0, h1), None, "device", tuple(range(8)), 0, "full", block_size=4)]
+    elif group == 1:
         assert stored == [BlockStored((h0, h1), None, "device", group=group, group_kind=m.group_kinds[group])]
     else:
         assert stored == []  # the save has not run yet
@@ -192,7 +194,8 @@ def test_block_stored_event_group_idx_multiple_groups() -> None:
     """vLLM ``test_block_stored_event_group_idx_multiple_groups``: full attention (group 0) and a sliding
     window of 128 tokens (group 1) cache the same two blocks; the two events are told apart by their group.
 
-    kvblocks: no window size in the event (vLLM's ``kv_cache_spec_sliding_window``).
+    kvblocks: no window size in the event (vLLM's ``kv_cache_spec_sliding_window``), and only the full
+    group's events name the tokens and the block size (its snapshot: the block size; the tree keeps no tokens).
     """
     sink = EventSink()
     m = HybridKVCacheManager(4, 4, local_groups=[LocalGroup("sliding_window", 128, 4)], event_sink=sink)
@@ -202,11 +205,11 @@ def test_block_stored_event_group_idx_multiple_groups() -> None:
     m.check_integrity()
     hashes = tuple(m.block_hashes("r"))
     assert events(sink) == [
-        BlockStored(hashes, None, "device", group=0, group_kind="full"),
+        BlockStored(hashes, None, "device", tuple(range(8)), 0, "full", block_size=4),
         BlockStored(hashes, None, "device", group=1, group_kind="sliding_window"),
     ]
     assert m.snapshot_events() == [
-        BlockStored(hashes, None, "device", group=0, group_kind="full"),
+        BlockStored(hashes, None, "device", group=0, group_kind="full", block_size=4),
         BlockStored(hashes, None, "device", group=1, group_kind="sliding_window"),
     ]
 

@@ -23,6 +23,9 @@ Schemes (chosen by name):
     ``local_i = xxh3_64(tokens as u32 LE, seed=1337)``, ``seq_0 = local_0``,
     ``seq_i = xxh3_64(seq_{i-1} as u64 LE || local_i as u64 LE, seed=1337)``;
     hashes are Python ``int``.
+``vllm-sha256``, ``vllm-sha256-cbor``, ``vllm-xxhash``, ``vllm-xxhash-cbor``
+    vLLM's own block hashes, bit for bit (:mod:`kvblocks.hashing.vllm`): its root and extra keys follow
+    vLLM's rules, not the namespace framing and typed frames below.
 
 The chain root comes from a :class:`Namespace` (scheme, block size, model id,
 optional salt) through a framed encoding, never from ``hash()`` or
@@ -103,6 +106,7 @@ _TAG_ROOT_SALT = 0x04
 _TAG_LORA = 0x10
 _TAG_CACHE_SALT = 0x11
 _TAG_MM_ITEM = 0x12
+_TAG_LORA_PATH = 0x13  # framed only when set: hashes without a LoRA path are those of before the tag existed
 _ROOT_MAGIC = b"kvblocks/root/v1"
 
 _Framer = Callable[[int], bytes]
@@ -251,6 +255,9 @@ class BlockExtras:
     """Per-request keys that change a block's identity beyond its tokens.
 
     * ``lora``: the adapter's identity; framed into every block.
+    * ``lora_path``: where the adapter was loaded from (optional; needs ``lora``). vLLM 0.33 keys LoRA blocks
+      by name *and* path, so its schemes require it with ``lora``; kvblocks' schemes frame it into every block
+      only when set.
     * ``cache_salt``: a per-request salt (tenant isolation); framed into block 0,
       which the chain carries to every later block.
     * ``mm_items``: multimodal items; each is framed into exactly the blocks it
@@ -260,10 +267,16 @@ class BlockExtras:
     lora: str | None = None
     cache_salt: str | bytes | None = None
     mm_items: tuple[MultimodalItem, ...] = field(default=())
+    lora_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise ConfigError(f"lora must be a non-empty str, got {self.lora!r}")
+        if self.lora_path is not None:
+            if not isinstance(self.lora_path, str) or not self.lora_path:
+                raise ConfigError(f"lora_path must be a non-empty str, got {self.lora_path!r}")
+            if self.lora is None:
+                raise ConfigError("lora_path is given without lora: a path names an adapter only with its name")
         if self.cache_salt is not None and not _as_bytes(self.cache_salt, "cache_salt"):
             raise ConfigError("cache_salt must not be empty")
         items = tuple(self.mm_items)
@@ -287,6 +300,8 @@ class BlockExtras:
 @lru_cache(maxsize=256)
 def _build_framer(extras: BlockExtras, block_size: int) -> _Framer:
     lora = _frame(_TAG_LORA, extras.lora.encode("utf-8")) if extras.lora is not None else b""
+    if extras.lora_path is not None:
+        lora += _frame(_TAG_LORA_PATH, extras.lora_path.encode("utf-8"))
     salt = _frame(_TAG_CACHE_SALT, _as_bytes(extras.cache_salt, "cache_salt")) if extras.cache_salt else b""
     per_block: dict[int, bytes] = {}
     for item in extras.mm_items:
@@ -369,6 +384,15 @@ class HashScheme:
 
     def root(self, namespace: Namespace, block_size: int) -> BlockHash | None:
         raise NotImplementedError
+
+    def make_framer(self, extras: BlockExtras, block_size: int) -> _Framer | None:
+        """The per-block extra material :meth:`chain` appends for ``extras`` (None when there is none).
+
+        kvblocks' schemes use typed frames (:meth:`BlockExtras.framer`); an engine's scheme builds what
+        its engine hashes instead (vLLM: a tuple of extra keys per block), and may refuse extras it
+        cannot express with :class:`ConfigError`.
+        """
+        return extras.framer(block_size)
 
     def chain(
         self, blocks: list[bytes], parent: BlockHash | None, framer: _Framer | None, first_index: int
@@ -508,7 +532,7 @@ class BlockHasher:
     def hash_tokens(self, token_ids: Iterable[int], extras: BlockExtras | None = None) -> list[BlockHash]:
         """Chained hashes of every full block of ``token_ids``."""
         tokens = pack_tokens(token_ids)
-        framer = extras.framer(self.block_size) if extras is not None else None
+        framer = self.scheme.make_framer(extras, self.block_size) if extras is not None else None
         return self.hash_packed(tokens, 0, len(tokens) // self.block_size, self.root, framer)
 
 
@@ -524,7 +548,7 @@ class HashedTokens:
 
     def __init__(self, hasher: BlockHasher, token_ids: Iterable[int] = (), extras: BlockExtras | None = None):
         self._hasher = hasher
-        self._framer = extras.framer(hasher.block_size) if extras is not None else None
+        self._framer = hasher.scheme.make_framer(extras, hasher.block_size) if extras is not None else None
         self._tokens = pack_tokens(token_ids)  # a fresh array: the caller's list is never referenced
         self.hashes: list[BlockHash] = []
         """Chained hashes of the full blocks so far (read-only for callers)."""

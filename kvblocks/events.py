@@ -79,7 +79,7 @@ __all__ = [
 _log = logging.getLogger("kvblocks.events")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never modified; not frozen: see kvblocks.event_codec.KVEvent
 class EventRecord:
     """An event with its sequence number (0, 1, 2, ... per sink) and wall-clock timestamp."""
 

@@ -60,6 +60,8 @@ class Shadow:
             again = held.intersection(event.block_hashes)
             assert not again, f"{event.tier}: stored again {again}"
             assert len(set(event.block_hashes)) == len(event.block_hashes)
+            if event.tier != "device":  # flat tiers: a batch, no chain parent; the block size is said
+                assert event.parent_hash is None and event.block_size == B
             held.update(event.block_hashes)
         elif isinstance(event, BlockRemoved):
             absent = set(event.block_hashes) - held

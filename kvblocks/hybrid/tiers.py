@@ -212,7 +212,15 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         sink = self._tree.events
         kinds = self._kinds
         self._group_hosts = [
-            HostTier(count, events=sink, group=number, group_kind=kinds[number]) if on and count else None
+            HostTier(
+                count,
+                events=sink,
+                group=number,
+                group_kind=kinds[number],
+                block_size=self._locals[number - 1].block_size,
+            )
+            if on and count
+            else None
             for number, count in enumerate(per_group, 1)
         ] or [None for _ in self._locals]
         self._group_write_back = tiers.host_policy == "write-back"

@@ -40,7 +40,8 @@ class HostTier:
     """``num_blocks`` host blocks: a pool (ref counts, fresh queue, idle LRU) plus a hash index.
 
     ``events`` receives this tier's events (see the module docstring), tagged ``group`` /
-    ``group_kind`` as the device index of the same group tags its own (both None: untagged).
+    ``group_kind`` as the device index of the same group tags its own (both None: untagged);
+    ``block_size`` (tokens per block, None: not said) goes into its ``BlockStored`` events.
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class HostTier:
         events: EventSink | None = None,
         group: int | None = None,
         group_kind: str | None = None,
+        block_size: int | None = None,
     ) -> None:
         if events is not None and not isinstance(events, EventSink):
             raise InvalidArgumentError(f"events must be an EventSink or None, got {type(events).__name__}")
@@ -62,6 +64,7 @@ class HostTier:
         self._events = events
         self.group = group
         self.group_kind = group_kind
+        self.block_size = block_size
         # Changes not yet emitted, as runs of (stored?, hashes); None without a sink (nothing is noted).
         self._log: list[tuple[bool, list[BlockHash]]] | None = None if events is None else []
 
@@ -91,7 +94,9 @@ class HostTier:
         group, kind = self.group, self.group_kind
         for stored, hashes in log:
             if stored:
-                sink.emit(BlockStored(tuple(hashes), None, "host", group=group, group_kind=kind))
+                sink.emit(
+                    BlockStored(tuple(hashes), None, "host", group=group, group_kind=kind, block_size=self.block_size)
+                )
             else:
                 sink.emit(BlockRemoved(tuple(hashes), "host", group, kind))
 
@@ -100,7 +105,9 @@ class HostTier:
         hashes = tuple(self._block_of)
         if not hashes:
             return []
-        return [BlockStored(hashes, None, "host", group=self.group, group_kind=self.group_kind)]
+        return [
+            BlockStored(hashes, None, "host", group=self.group, group_kind=self.group_kind, block_size=self.block_size)
+        ]
 
     def __len__(self) -> int:
         return len(self._block_of)

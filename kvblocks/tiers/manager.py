@@ -202,7 +202,9 @@ class TieredKVCacheManager(KVCacheManager):
         group, kind = self._tree_group  # the tiers' events carry the device tree's group tag
         self._tier_events = sink is not None
         self._host = (
-            HostTier(tiers.num_host_blocks, events=sink, group=group, group_kind=kind) if tiers.host_enabled else None
+            HostTier(tiers.num_host_blocks, events=sink, group=group, group_kind=kind, block_size=config.block_size)
+            if tiers.host_enabled
+            else None
         )
         self._storage = (
             StorageTier(

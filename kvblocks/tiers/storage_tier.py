@@ -128,6 +128,7 @@ class StorageTier:
         self._events = events
         self.group = group
         self.group_kind = group_kind
+        self._block_size = block_size  # said in BlockStored events
         # Index changes not yet emitted, as runs of (stored?, hashes), guarded by _lock; None without a sink.
         self._log: list[tuple[bool, list[BlockHash]]] | None = None if events is None else []
         self.backend: StorageBackend = config.storage
@@ -240,7 +241,11 @@ class StorageTier:
         group, kind = self.group, self.group_kind
         for stored, hashes in log:
             if stored:
-                sink.emit(BlockStored(tuple(hashes), None, "storage", group=group, group_kind=kind))
+                sink.emit(
+                    BlockStored(
+                        tuple(hashes), None, "storage", group=group, group_kind=kind, block_size=self._block_size
+                    )
+                )
             else:
                 sink.emit(BlockRemoved(tuple(hashes), "storage", group, kind))
 
@@ -257,7 +262,11 @@ class StorageTier:
         hashes = tuple(self.known_hashes())
         if not hashes:
             return []
-        return [BlockStored(hashes, None, "storage", group=self.group, group_kind=self.group_kind)]
+        return [
+            BlockStored(
+                hashes, None, "storage", group=self.group, group_kind=self.group_kind, block_size=self._block_size
+            )
+        ]
 
     # ------------------------------------------------------------------ writes
 

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Hashable, Iterable
 from dataclasses import replace
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -474,3 +474,45 @@ def test_hybrid_tier_events_are_tagged_per_group_and_the_router_follows_the_full
         resync()
         assert r.overlaps(a) == {"w": expected}
         r.check_integrity()
+
+
+def _hybrid_step(m: TieredHybridKVCacheManager) -> None:
+    """Run the step's plan with dummy payloads, wait for the I/O threads, report finished reads."""
+    plan = m.take_transfers()
+    saved_groups = {g.group: [bytes(16)] * len(g.saves) for g in plan.groups if g.saves}
+    m.complete_transfers(plan, saved=[bytes(16)] * len(plan.saves) or None, saved_groups=saved_groups)
+    assert m.flush(5)
+    for group in (0, 1):
+        assert m.group_storage(group).wait_idle(5)
+    m.poll_loads()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 9)), min_size=1, max_size=12))
+def test_hybrid_tier_events_rebuild_every_groups_tiers(requests: list[tuple[int, int]]) -> None:
+    sink = EventSink()
+    shadow = Shadow()
+    sink.subscribe(shadow.record)
+    with _hybrid(sink) as m:
+        for number, (prefix, extra) in enumerate(requests):
+            seq = f"r{number}"
+            tokens = PREFIXES[prefix] + [prefix * 7 + i for i in range(extra)]
+            m.add_sequence(seq, tokens)
+            _hybrid_step(m)
+            if m.allocate(seq, len(tokens) - m.lookup(seq).total) is not None:
+                for _ in range(100):
+                    _hybrid_step(m)
+                    if m.is_ready(seq):
+                        break
+                short = len(tokens) - m.num_computed_tokens(seq)
+                if len(m.block_table(seq)) * B >= len(tokens) or m.allocate(seq, short) is not None:
+                    _hybrid_step(m)
+                    m.commit(seq, len(tokens))
+            m.free(seq)
+            for group, kind in ((0, "full"), (1, "sliding_window")):
+                storage = m.group_storage(group)
+                storage.publish()  # what the threads learnt since the last poll (this thread drives m)
+                assert shadow.of("host", (group, kind)) == set(m.group_host(group).hashes())
+                assert shadow.of("storage", (group, kind)) == set(storage.known_hashes())
+            assert shadow.of("device", (0, "full")) == device_hashes(m)
+            assert shadow.threads <= {threading.get_ident()}

@@ -118,7 +118,10 @@ def _frame(tag: int, payload: bytes) -> bytes:
 
 def _as_bytes(value: str | bytes, what: str) -> bytes:
     if isinstance(value, str):
-        return value.encode("utf-8")
+        try:
+            return value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: no UTF-8 for it
+            raise ConfigError(f"{what} is not valid UTF-8 text: {value!r:.60}") from None
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
     raise ConfigError(f"{what} must be str or bytes, got {type(value).__name__}")
@@ -270,10 +273,10 @@ class BlockExtras:
     lora_path: str | None = None
 
     def __post_init__(self) -> None:
-        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+        if self.lora is not None and (not isinstance(self.lora, str) or not _as_bytes(self.lora, "lora")):
             raise ConfigError(f"lora must be a non-empty str, got {self.lora!r}")
         if self.lora_path is not None:
-            if not isinstance(self.lora_path, str) or not self.lora_path:
+            if not isinstance(self.lora_path, str) or not _as_bytes(self.lora_path, "lora_path"):
                 raise ConfigError(f"lora_path must be a non-empty str, got {self.lora_path!r}")
             if self.lora is None:
                 raise ConfigError("lora_path is given without lora: a path names an adapter only with its name")

@@ -245,8 +245,8 @@ def _cbor(value: object) -> bytes:
     if type(value) is str:
         try:
             data = value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ConfigError(f"{value!r} is not valid UTF-8 text: CBOR cannot carry it") from None
+        except UnicodeEncodeError:  # pragma: no cover - BlockExtras and Namespace refuse such text first
+            raise ConfigError(f"{value!r:.60} is not valid UTF-8 text: CBOR cannot carry it") from None
         return _cbor_head(3, len(data)) + data
     if type(value) is bytes:
         return _cbor_head(2, len(value)) + value

@@ -45,7 +45,7 @@ from kvblocks.errors import (
     StaleLookupError,
     UnknownSequenceError,
 )
-from kvblocks.events import EventSink
+from kvblocks.events import BlockStored, EventSink
 from kvblocks.hashing import (
     DEFAULT_SCHEME,
     BlockExtras,
@@ -852,6 +852,13 @@ class KVCacheManager:
         s.pins = None
         s.num_covered = s.num_committed = s.lookahead = 0
         s.watch = _NEVER
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """The cache's contents as ``BlockStored`` events, parents first (``EventPublisher(snapshot=...)``). Pure.
+
+        The managers with more to index (hybrid groups, host and storage tiers) extend it.
+        """
+        return self._tree.snapshot_events()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (after a weight update, say). Refused (False) while any block is in use."""

@@ -78,3 +78,14 @@ def test_an_unknown_hash_form_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="hash_form"):
         RouterConfig(block_size=16, hash_form="int64")
+
+
+def test_any_manager_snapshots_its_cache_for_a_publisher() -> None:
+    from kvblocks import KVCacheManager
+    from kvblocks.hashing import block_hashes
+
+    m = KVCacheManager(num_blocks=8, block_size=2)
+    m.add_sequence("a", [1, 2, 3, 4, 5])
+    m.allocate("a", 5)
+    m.commit("a", 5)
+    assert m.snapshot_events() == [BlockStored(tuple(block_hashes([1, 2, 3, 4], 2)), None, "device", block_size=2)]

@@ -740,7 +740,7 @@ class TieredKVCacheManager(KVCacheManager):
         tier's ready entries and the hashes storage is known to hold, one event each (flat: no parents).
         Storage notes not yet published stay queued; replayed after the snapshot they change nothing.
         """
-        return self._tree.snapshot_events() + self._tier_snapshot()
+        return super().snapshot_events() + self._tier_snapshot()
 
     def _tier_snapshot(self) -> list[BlockStored]:
         """Group 0's host and storage contents as ``BlockStored`` events. Pure."""

@@ -1,0 +1,407 @@
+"""vLLM's and SGLang's KV event payloads (msgpack ``KVEventBatch``) <-> kvblocks events.
+
+One ZMQ message of an engine carries one payload: a msgpack array ``[ts, events, dp_rank]``, each event a
+map tagged by its class name (``{"type": "BlockStored", "block_hashes": [...], ...}``). The two dialects:
+
+=============  =====================================  =========================================
+               vLLM (0.33)                            SGLang (0.5.23)
+=============  =====================================  =========================================
+batch          ``[ts, events]`` (+ rank when set)     ``[ts, events, rank]`` (rank may be nil)
+hashes         u64 ints (default) or digest bytes     signed int64
+medium         ``GPU`` / ``CPU`` / ``STORAGE``         ``GPU`` / ``CPU_PINNED`` / ``DISK`` / ``EXTERNAL``
+groups         ``group_idx`` + ``kv_cache_spec_kind``  none
+=============  =====================================  =========================================
+
+Older vLLM (0.11 and before) wrote events as positional arrays
+(``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium]``); both shapes are read, and a
+batch written as a map (``{"ts": ..., "events": ...}``) too.
+
+Decoding (:class:`EngineEventDecoder`, one per stream) maps a medium to a kvblocks tier (GPU -> device,
+CPU / CPU_PINNED -> host, STORAGE / DISK / EXTERNAL -> storage, none -> device; an unknown medium stays as
+its own tier name, which the router ignores), a signed hash to its unsigned 64-bit form (``h & (2**64 - 1)``,
+hashes and parents alike), vLLM's ``kv_cache_spec_kind`` to a kvblocks group kind, and an
+``AllBlocksCleared`` (which names no medium) to one clear per kvblocks tier. vLLM's ``BlockRemoved`` names
+only ``group_idx``: the decoder remembers each group's kind from the ``BlockStored`` events it has seen and
+tags removals with it. Fields kvblocks has no place for (``extra_keys``, ``session_id``, ``cache_salt``,
+``locality``, ...) are read past. An empty ``token_ids`` (or a zero ``block_size``) means "not known".
+Whatever the bytes, decoding returns a batch or raises :class:`~kvblocks.errors.EventDecodeError`; the
+decoder's memory changes only when a payload decodes.
+
+Encoding (:func:`encode_engine_batch`) writes what the engine itself writes, so vLLM's consumers (llm-d's
+indexer, Dynamo's router) read a kvblocks manager's events: tiers -> medium, bytes hashes -> their 64-bit
+int form (:func:`kvblocks.hashing.vllm_int_hash`) unless ``int_hashes=False``, unknown ``token_ids`` /
+``block_size`` -> ``[]`` / ``0`` (the engine's structs require them). vLLM has no snapshot flag: a snapshot
+batch is written ``[AllBlocksCleared, BlockStored, ...]``, and a payload that *starts* with
+``AllBlocksCleared`` reads back as a snapshot (:attr:`EngineBatch.resets`) -- clearing everything and then
+applying the rest is what replacing a worker's view means. An ``AllBlocksCleared`` of one tier or group
+becomes vLLM's (which clears everything): consumers forget more than they must, never less. SGLang has no
+groups, so only the events a router scores (untagged, group 0 without a kind, or a ``"full"`` group) are
+written in its dialect.
+
+Nothing is unpickled or evaluated: msgspec decodes the bytes into the structs below (written for this
+module), which bound every value (token ids below ``2**32``, sizes and ranks in ``0..2**63-1``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvblocks.errors import ConfigError, EventDecodeError, InvalidArgumentError, InvalidTokenError
+from kvblocks.event_codec import EVENT_GROUP_KINDS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+from kvblocks.hashing import TOKEN_LIMIT, BlockHash, vllm_int_hash
+from kvblocks.strict_json import MAX_INT, brief
+
+__all__ = [
+    "DIALECTS",
+    "KVBLOCKS_TIERS",
+    "MEDIUM_TO_TIER",
+    "SPEC_KIND_TO_GROUP_KIND",
+    "Dialect",
+    "EngineBatch",
+    "EngineEventDecoder",
+    "decode_engine_batch",
+    "encode_engine_batch",
+    "require_msgspec",
+]
+
+Dialect = Literal["vllm", "sglang"]
+DIALECTS: tuple[str, ...] = ("vllm", "sglang")
+KVBLOCKS_TIERS: tuple[str, ...] = ("device", "host", "storage")
+"""The tiers one engine ``AllBlocksCleared`` clears (the tiers :class:`kvblocks.routing.Router` scores)."""
+
+MEDIUM_TO_TIER: dict[str, str] = {
+    "GPU": "device",
+    "CPU": "host",
+    "CPU_PINNED": "host",
+    "STORAGE": "storage",
+    "DISK": "storage",
+    "EXTERNAL": "storage",
+}
+"""Both engines' medium strings (one table: they never disagree) -> kvblocks tiers."""
+
+_TIER_TO_MEDIUM: dict[str, dict[str, str]] = {
+    "vllm": {"device": "GPU", "host": "CPU", "storage": "STORAGE"},
+    "sglang": {"device": "GPU", "host": "CPU_PINNED", "storage": "DISK"},
+}
+
+SPEC_KIND_TO_GROUP_KIND: dict[str, str] = {
+    "full_attention": "full",
+    "mla_attention": "full",
+    "sink_full_attention": "full",
+    "sliding_window": "sliding_window",
+    "sliding_window_mla": "sliding_window",
+    "chunked_local_attention": "chunked_local",
+    "mamba": "recurrent",
+    "cross_attention": "cross_attention",
+    "encoder_only_attention": "cross_attention",
+}
+"""vLLM's ``KVCacheSpecKind`` values -> :data:`kvblocks.event_codec.EVENT_GROUP_KINDS` (others: no kind)."""
+
+_GROUP_KIND_TO_SPEC_KIND: dict[str, str] = {
+    "full": "full_attention",
+    "sliding_window": "sliding_window",
+    "chunked_local": "chunked_local_attention",
+    "recurrent": "mamba",
+    "cross_attention": "cross_attention",
+}
+
+_U64 = (1 << 64) - 1
+_MAX_GROUPS = 4096  # group kinds one decoder remembers (a model has a handful of groups)
+_CLEAR_ALL = tuple(AllBlocksCleared(tier) for tier in KVBLOCKS_TIERS)
+
+
+def require_msgspec() -> Any:
+    """Import msgspec, or raise :class:`ConfigError` naming the extra that installs it."""
+    try:
+        import msgspec
+    except ImportError:
+        raise ConfigError('vLLM/SGLang KV events need msgspec: pip install "kvblocks[zmq]"') from None
+    return msgspec
+
+
+def _check_dialect(dialect: object) -> Dialect:
+    if dialect == "vllm":
+        return "vllm"
+    if dialect == "sglang":
+        return "sglang"
+    raise ConfigError(f"dialect must be one of {DIALECTS}, got {dialect!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineBatch:
+    """One engine payload, decoded: ``events`` in kvblocks' terms.
+
+    ``resets`` is true when the payload began with ``AllBlocksCleared``: ``events`` then holds what followed
+    it, and the batch replaces the worker's view (:meth:`as_event_batch` makes it a snapshot).
+    """
+
+    timestamp: float
+    events: tuple[KVEvent, ...]
+    dp_rank: int | None
+    resets: bool = False
+
+    def as_event_batch(self, producer: str, seq: int) -> EventBatch:
+        """The kvblocks :class:`EventBatch` of ``producer`` numbered ``seq`` (a snapshot when it resets)."""
+        return EventBatch(producer, seq, self.timestamp, self.events, self.resets)
+
+
+def _wire() -> Any:
+    """The structs and codecs (:mod:`kvblocks.interop._engine_structs`), imported on first use."""
+    require_msgspec()
+    from kvblocks.interop import _engine_structs
+
+    return _engine_structs
+
+
+# ---------------------------------------------------------------------- decoding
+
+
+def _hash(raw: int | bytes) -> BlockHash:
+    return raw & _U64 if type(raw) is int else raw
+
+
+def _tier(medium: str | None) -> str:
+    if medium is None:
+        return "device"
+    return MEDIUM_TO_TIER.get(medium, medium)
+
+
+def _tokens(raw: list[Any] | None, n_hashes: int, block_size: int | None) -> tuple[int, ...] | None:
+    """The token ids of a ``BlockStored``: None when not given, empty or pairs (SGLang's bigram pages)."""
+    if not raw:
+        return None
+    flat = [t for t in raw if type(t) is int]
+    if len(flat) != len(raw):
+        if flat:
+            raise EventDecodeError("BlockStored token_ids mix ints and pairs")
+        return None
+    if block_size is not None and len(flat) != block_size * n_hashes:
+        raise EventDecodeError(
+            f"BlockStored carries {len(flat)} token ids for {n_hashes} blocks of {block_size} tokens"
+        )
+    return tuple(flat)
+
+
+def _text(raw: str | None) -> str | None:
+    return raw or None
+
+
+class EngineEventDecoder:
+    """Decodes one engine stream's payloads; remembers each group's kind for the removals that follow.
+
+    >>> import msgspec
+    >>> stored = {"type": "BlockStored", "block_hashes": [-1], "parent_block_hash": None, "token_ids": [5, 6],
+    ...           "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 1,
+    ...           "kv_cache_spec_kind": "sliding_window"}
+    >>> removed = {"type": "BlockRemoved", "block_hashes": [-1], "medium": "GPU", "group_idx": 1}
+    >>> decoder = EngineEventDecoder("vllm")
+    >>> decoder.decode(msgspec.msgpack.encode([1.5, [stored]])).events[0].block_hashes
+    (18446744073709551615,)
+    >>> decoder.decode(msgspec.msgpack.encode([2.0, [removed]])).events
+    (BlockRemoved(block_hashes=(18446744073709551615,), tier='device', group=1, group_kind='sliding_window'),)
+    """
+
+    __slots__ = ("_kinds", "dialect")
+
+    def __init__(self, dialect: Dialect = "vllm") -> None:
+        self.dialect = _check_dialect(dialect)
+        self._kinds: dict[int, str] = {}
+
+    @property
+    def group_kinds(self) -> dict[int, str]:
+        """The group kinds learned so far (a copy)."""
+        return dict(self._kinds)
+
+    def decode(self, data: bytes | bytearray | memoryview) -> EngineBatch:
+        """One payload -> :class:`EngineBatch`; raises :class:`EventDecodeError` and nothing else."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise EventDecodeError(f"an engine event payload must be bytes, got {type(data).__name__}")
+        wire = _wire()
+        try:
+            return self._decode(wire, bytes(data))
+        except EventDecodeError:
+            raise
+        except wire.DECODE_ERRORS as error:
+            raise EventDecodeError(f"malformed {self.dialect} event batch: {_short(error)}") from None
+
+    def _decode(self, wire: Any, data: bytes) -> EngineBatch:
+        if not data:
+            raise EventDecodeError(f"empty {self.dialect} event payload")
+        if _is_map(data[0]):
+            mb = wire.map_batch.decode(data)
+            ts, raw_events = mb.ts, mb.events
+            rank = mb.data_parallel_rank if mb.data_parallel_rank is not None else mb.attn_dp_rank
+        else:
+            ab = wire.array_batch.decode(data)
+            ts, raw_events, rank = ab.ts, ab.events, ab.rank
+        if not math.isfinite(ts):
+            raise EventDecodeError(f"malformed {self.dialect} event batch: timestamp {ts!r}")
+        kinds = dict(self._kinds)
+        events: list[KVEvent] = []
+        resets = False
+        for k, raw in enumerate(raw_events):
+            blob = bytes(raw)
+            ev = (wire.map_event if blob and _is_map(blob[0]) else wire.array_event).decode(blob)
+            if isinstance(ev, wire.MapStored | wire.ArrayStored):
+                events.append(_stored(ev, kinds))
+            elif isinstance(ev, wire.MapRemoved | wire.ArrayRemoved):
+                events.append(_removed(ev, kinds))
+            elif k == 0:
+                resets = True  # a leading clear: the rest replaces the worker's view
+            else:
+                events.extend(_CLEAR_ALL)
+        self._kinds = kinds
+        return EngineBatch(float(ts), tuple(events), rank, resets)
+
+
+def _is_map(first: int) -> bool:
+    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+
+
+def _short(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _group(group_idx: int | None, kind: str | None, kinds: dict[int, str]) -> tuple[int | None, str | None]:
+    if group_idx is None:
+        return None, None
+    if kind is None:
+        return group_idx, kinds.get(group_idx)
+    return group_idx, kind
+
+
+def _stored(ev: Any, kinds: dict[int, str]) -> BlockStored:
+    group_idx: int | None = getattr(ev, "group_idx", None)
+    spec_kind: str | None = getattr(ev, "kv_cache_spec_kind", None)
+    kind = None if spec_kind is None else SPEC_KIND_TO_GROUP_KIND.get(spec_kind)
+    if group_idx is not None and kind is not None and (group_idx in kinds or len(kinds) < _MAX_GROUPS):
+        kinds[group_idx] = kind
+    group, group_kind = _group(group_idx, kind, kinds)
+    block_size = ev.block_size or None  # 0: not known (what an encoder without it writes)
+    hashes = tuple(_hash(h) for h in ev.block_hashes)
+    parent = None if ev.parent_block_hash is None else _hash(ev.parent_block_hash)
+    tokens = _tokens(ev.token_ids, len(hashes), block_size)
+    return BlockStored(
+        hashes, parent, _tier(ev.medium), tokens, group, group_kind, block_size, ev.lora_id, _text(ev.lora_name)
+    )
+
+
+def _removed(ev: Any, kinds: dict[int, str]) -> BlockRemoved:
+    group, group_kind = _group(getattr(ev, "group_idx", None), None, kinds)
+    return BlockRemoved(tuple(_hash(h) for h in ev.block_hashes), _tier(ev.medium), group, group_kind)
+
+
+def decode_engine_batch(data: bytes | bytearray | memoryview, dialect: Dialect = "vllm") -> EngineBatch:
+    """Decode one payload with a fresh :class:`EngineEventDecoder` (no group kinds remembered)."""
+    return EngineEventDecoder(dialect).decode(data)
+
+
+# ---------------------------------------------------------------------- encoding
+
+
+def _wire_hash(h: BlockHash, dialect: Dialect, int_hashes: bool) -> int | bytes:
+    if dialect == "sglang":
+        value = vllm_int_hash(h)
+        return value - (1 << 64) if value >= 1 << 63 else value  # SGLang's hashes are signed int64
+    if int_hashes or type(h) is int:
+        return vllm_int_hash(h)
+    return h
+
+
+def _medium(tier: str, dialect: Dialect) -> str:
+    return _TIER_TO_MEDIUM[dialect].get(tier, tier)
+
+
+def _check_tokens(tokens: tuple[int, ...] | None) -> list[int]:
+    if not tokens:
+        return []
+    out = list(tokens)
+    if not all(type(t) is int for t in out) or min(out) < 0 or max(out) >= TOKEN_LIMIT:
+        raise InvalidTokenError(f"cannot encode BlockStored: token ids must be ints in [0, 2**32), got {brief(tokens)}")
+    return out
+
+
+def _scored(event: KVEvent) -> bool:
+    """Whether a router scores ``event`` (the only events SGLang's group-less dialect can carry)."""
+    kind = event.group_kind
+    return kind == "full" or (kind is None and event.group in (None, 0))
+
+
+def _encode_events(events: Iterable[KVEvent], dialect: Dialect, int_hashes: bool, structs: Any) -> list[Any]:
+    stored_cls, removed_cls, cleared_cls, _ = structs
+    out: list[Any] = []
+    for event in events:
+        if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
+            raise InvalidArgumentError(f"not a KV event: {event!r}")
+        if isinstance(event, AllBlocksCleared):
+            if not (out and isinstance(out[-1], cleared_cls)):  # one engine clear clears every tier
+                out.append(cleared_cls())
+            continue
+        if dialect == "sglang" and not _scored(event):
+            continue
+        hashes = [_wire_hash(h, dialect, int_hashes) for h in event.block_hashes]
+        medium = _medium(event.tier, dialect)
+        if isinstance(event, BlockRemoved):
+            extra = {} if dialect == "sglang" else {"group_idx": event.group}
+            out.append(removed_cls(hashes, medium, **extra))
+            continue
+        parent = None if event.parent_hash is None else _wire_hash(event.parent_hash, dialect, int_hashes)
+        tokens = _check_tokens(event.token_ids)
+        args = (hashes, parent, tokens, event.block_size or 0, event.lora_id, medium, event.lora_name)
+        if dialect == "sglang":
+            out.append(stored_cls(*args))
+        else:
+            kind = None if event.group_kind is None else _GROUP_KIND_TO_SPEC_KIND.get(event.group_kind)
+            out.append(stored_cls(*args, group_idx=event.group, kv_cache_spec_kind=kind))
+    return out
+
+
+_OUT = {
+    "vllm": lambda w: (w.VllmStored, w.VllmRemoved, w.Cleared, w.VllmBatch),
+    "sglang": lambda w: (w.SglangStored, w.SglangRemoved, w.Cleared, w.SglangBatch),
+}
+
+
+def encode_engine_batch(
+    batch: EventBatch,
+    dialect: Dialect = "vllm",
+    *,
+    int_hashes: bool = True,
+    dp_rank: int | None = None,
+) -> bytes:
+    """``batch`` as one payload of ``dialect``'s ``KVEventBatch`` (see the module docstring).
+
+    ``batch.producer`` and ``batch.seq`` are not in the payload: the seq travels in its own ZMQ frame.
+    Raises :class:`InvalidArgumentError` for a batch with no encoding (a bad hash, a non-finite time).
+    """
+    dialect = _check_dialect(dialect)
+    if not isinstance(batch, EventBatch):
+        raise InvalidArgumentError(f"not an EventBatch: {type(batch).__name__}")
+    ts = batch.timestamp
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+        raise InvalidArgumentError(f"cannot encode batch: timestamp must be a finite number, got {ts!r}")
+    if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank <= MAX_INT):
+        raise InvalidArgumentError(f"dp_rank must be None or an int in 0..{MAX_INT}, got {dp_rank!r}")
+    wire = _wire()
+    structs = _OUT[dialect](wire)
+    events = tuple(batch.events)
+    if batch.snapshot:
+        events = (AllBlocksCleared("device"), *events)
+    body = _encode_events(events, dialect, int_hashes, structs)
+    try:
+        payload: bytes = wire.encoder.encode(structs[3](float(ts), body, dp_rank))
+    except (TypeError, OverflowError) as error:  # an int field beyond 64 bits
+        raise InvalidArgumentError(f"cannot encode batch {batch.seq} of {batch.producer!r}: {error}") from None
+    return payload
+
+
+def _check_kinds() -> None:  # pragma: no cover - a mismatch is a programming error caught at import
+    if set(SPEC_KIND_TO_GROUP_KIND.values()) - set(EVENT_GROUP_KINDS):
+        raise ImportError("SPEC_KIND_TO_GROUP_KIND names a group kind kvblocks does not know")
+
+
+_check_kinds()

@@ -169,58 +169,71 @@ class _VllmFramer:
         return self.segment(index) or b""
 
 
-# --------------------------------------------------------------------------- token ints, vectorised
+# --------------------------------------------------------------------------- blocks, vectorised
+#
+# Each block's serialized bytes, less the parent digest and the extra keys, are written for all blocks
+# at once: every piece (a header, a token int, a closing) is a little-endian uint64 "slot" of which the
+# low ``len`` bytes count; one boolean selection concatenates them all. Row i of the slot matrix is
+# block i: its head (before the parent) and its tail (after it).
+
+_LOW_BYTES = np.array([(1 << (8 * n)) - 1 for n in range(9)], dtype="<u8")  # n low bytes kept
+_U64 = np.uint64
+
+# pickle (protocol >= 2) writes an int 0 <= v < 2**32 as v < 256: K b0 | v < 2**16: M b0 b1 |
+# v < 2**31: J b0..b3 (an i32) | else LONG1 05 b0..b3 00: slot = opcode word | v << shift.
+_PICKLE_OP = np.array([0x4B, 0x4D, 0x4A, 0x8A | 0x05 << 8], dtype=_U64)
+_PICKLE_SHIFT = np.array([8, 8, 8, 16], dtype=_U64)
+_PICKLE_LEN = np.array([2, 3, 5, 7], dtype=np.intp)
+# canonical CBOR writes an unsigned int in its shortest big-endian form: v < 24: v | v < 256: 18 b |
+# v < 2**16: 19 b1 b0 | else 1a b3 b2 b1 b0: slot = opcode | (byteswapped v >> drop) << 8 (v alone below 24).
+_CBOR_OP = np.array([0x00, 0x18, 0x19, 0x1A], dtype=_U64)
+_CBOR_DROP = np.array([24, 24, 16, 0], dtype=_U64)
+_CBOR_LIFT = np.array([0, 8, 8, 8], dtype=_U64)
+_CBOR_LEN = np.array([1, 2, 3, 5], dtype=np.intp)
 
 
-_Table = tuple[np.ndarray, np.ndarray, np.ndarray]
+def _word(data: bytes) -> tuple[int, int]:
+    """A slot holding ``data`` (at most 8 bytes), and its length."""
+    return int.from_bytes(data, "little"), len(data)
 
 
-def _token_table(opcodes: list[int], widths: list[list[int]], columns: int) -> _Table:
-    """Per size class: its opcode, a mask of the columns it keeps, and its encoded length."""
-    ops = np.array(opcodes, dtype=np.uint8)
-    masks = np.zeros((len(widths), columns), dtype=bool)
-    for cls, cols in enumerate(widths):
-        masks[cls, cols] = True
-    return ops, masks, masks.sum(axis=1).astype(np.int64)
+def _slots(blocks: list[bytes], before: int, after: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The blocks' token ids as a (blocks, size) array, and empty slot words and lengths with ``before``
+    columns ahead of the tokens and ``after`` behind them."""
+    values = np.frombuffer(b"".join(blocks), dtype="<u4").reshape(len(blocks), -1)
+    shape = (values.shape[0], before + values.shape[1] + after)
+    return values, np.empty(shape, dtype=_U64), np.empty(shape, dtype=np.intp)
 
 
-# pickle (protocol >= 2) writes an int v with 0 <= v < 2**32 as
-#   v < 256: K b0 | v < 2**16: M b0 b1 | v < 2**31: J b0..b3 (signed i32) | else LONG1: 8a 05 b0..b3 00
-# Columns: [opcode, 05, b0, b1, b2, b3, 00]; each class keeps its own.
-_PICKLE_INTS = _token_table([0x4B, 0x4D, 0x4A, 0x8A], [[0, 2], [0, 2, 3], [0, 2, 3, 4, 5], list(range(7))], 7)
-# canonical CBOR writes an unsigned int big-endian in its shortest form:
-#   v < 24: v | v < 256: 18 b | v < 2**16: 19 b b | else 1a b b b b. Columns: [opcode, B3, B2, B1, B0].
-_CBOR_INTS = _token_table([0x00, 0x18, 0x19, 0x1A], [[4], [0, 4], [0, 3, 4], list(range(5))], 5)
+def _size_class(values: np.ndarray, *bounds: int) -> np.ndarray:
+    """How many of ``bounds`` each value reaches (0..3)."""
+    a, b, c = (np.greater_equal(values, bound).view(np.uint8) for bound in bounds)
+    return a + b + c
 
 
-def _pickle_ints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """``values``' pickle opcodes concatenated, and each one's length."""
-    ops, masks, lengths = _PICKLE_INTS
-    cls = (values >= 256).astype(np.int8) + (values >= 1 << 16) + (values >= 1 << 31)
-    table = np.zeros((values.size, 7), dtype=np.uint8)
-    table[:, 0] = ops[cls]
-    table[:, 1] = 5
-    table[:, 2:6] = values.astype("<u4").view(np.uint8).reshape(-1, 4)
-    return table[masks[cls]].tobytes(), lengths[cls]
+def _pickle_tokens(values: np.ndarray, words: np.ndarray, lens: np.ndarray, before: int) -> None:
+    cls = _size_class(values, 256, 1 << 16, 1 << 31)
+    stop = before + values.shape[1]
+    words[:, before:stop] = (values.astype(_U64) << np.take(_PICKLE_SHIFT, cls)) | np.take(_PICKLE_OP, cls)
+    lens[:, before:stop] = np.take(_PICKLE_LEN, cls)
 
 
-def _cbor_ints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """``values``' canonical CBOR items concatenated, and each one's length."""
-    ops, masks, lengths = _CBOR_INTS
-    cls = (values >= 24).astype(np.int8) + (values >= 256) + (values >= 1 << 16)
-    table = np.empty((values.size, 5), dtype=np.uint8)
-    table[:, 0] = ops[cls]
-    table[:, 1:] = values.astype(">u4").view(np.uint8).reshape(-1, 4)
-    return table[masks[cls]].tobytes(), lengths[cls]
+def _cbor_tokens(values: np.ndarray, words: np.ndarray, lens: np.ndarray, before: int) -> None:
+    cls = _size_class(values, 24, 256, 1 << 16)
+    swapped = values.astype(">u4").view("<u4").astype(_U64)
+    stop = before + values.shape[1]
+    words[:, before:stop] = ((swapped >> np.take(_CBOR_DROP, cls)) << np.take(_CBOR_LIFT, cls)) | np.take(_CBOR_OP, cls)
+    lens[:, before:stop] = np.take(_CBOR_LEN, cls)
 
 
-def _split(blocks: list[bytes], encode: Callable[[np.ndarray], tuple[bytes, np.ndarray]]) -> tuple[bytes, list[int]]:
-    """Encode every token of ``blocks`` (u32 LE each) at once; block ``i`` is ``out[ends[i]:ends[i + 1]]``."""
-    values = np.frombuffer(b"".join(blocks), dtype="<u4")
-    data, lengths = encode(values)
-    ends = np.zeros(len(blocks) + 1, dtype=np.int64)
-    np.cumsum(lengths.reshape(len(blocks), -1).sum(axis=1), out=ends[1:])
-    return data, ends.tolist()
+def _pack(words: np.ndarray, lens: np.ndarray, heads: int) -> tuple[bytes, list[int], list[int], list[int]]:
+    """The slots' bytes in row order, and per row where it starts, where its ``heads`` slots end, and its end."""
+    keep = np.take(_LOW_BYTES, lens).view(np.uint8).view(np.bool_).ravel()
+    data = np.compress(keep, words.astype("<u8", copy=False).view(np.uint8).ravel()).tobytes()
+    ends = np.cumsum(lens, axis=None).reshape(lens.shape)
+    row_ends = ends[:, -1]
+    starts = np.concatenate(([0], row_ends[:-1]))
+    return data, starts.tolist(), ends[:, heads - 1].tolist(), row_ends.tolist()
 
 
 # --------------------------------------------------------------------------- canonical CBOR of the keys
@@ -315,43 +328,62 @@ class VllmScheme(HashScheme):
             return self._chain_cbor(blocks, parent, framer, first_index)
         return self._chain_pickle(blocks, parent, framer, first_index)
 
+    def _segments(self, framer: _VllmFramer | None, first_index: int, count: int) -> list[bytes | None] | None:
+        return None if framer is None else [framer.segment(i) for i in range(first_index, first_index + count)]
+
     def _chain_cbor(
         self, blocks: list[bytes], parent: bytes, framer: _VllmFramer | None, first_index: int
     ) -> list[BlockHash]:
-        data, ends = _split(blocks, _cbor_ints)
-        head = _cbor_head(4, 3) + _cbor_head(2, self.width)
-        array = _cbor_head(4, len(blocks[0]) // 4)
+        # array(3) bytes(W) | parent | array(size) ints | keys (null inline when there are none)
+        values, words, lens = _slots(blocks, 2, 1)
+        words[:, 0], lens[:, 0] = _word(_cbor_head(4, 3) + _cbor_head(2, self.width))
+        words[:, 1], lens[:, 1] = _word(_cbor_head(4, values.shape[1]))
+        _cbor_tokens(values, words, lens, 2)
+        segments = self._segments(framer, first_index, len(blocks))
+        words[:, -1], lens[:, -1] = (0, 0) if segments else (0xF6, 1)
+        data, starts, mids, ends = _pack(words, lens, 1)
         digest = self._digest
         out: list[BlockHash] = []
         d = parent
         for i in range(len(blocks)):
-            keys = b"\xf6" if framer is None else framer(first_index + i)
-            d = digest(head + d + array + data[ends[i] : ends[i + 1]] + keys)
+            if segments is None:
+                d = digest(data[starts[i] : mids[i]] + d + data[mids[i] : ends[i]])
+            else:
+                d = digest(data[starts[i] : mids[i]] + d + data[mids[i] : ends[i]] + (segments[i] or b""))
             out.append(d)
         return out
 
     def _chain_pickle(
         self, blocks: list[bytes], parent: bytes, framer: _VllmFramer | None, first_index: int
     ) -> list[BlockHash]:
-        data, ends = _split(blocks, _pickle_ints)
-        size = len(blocks[0]) // 4
-        # SHORT_BINBYTES parent MEMOIZE | MARK ints TUPLE (TUPLE1..3 below 4) MEMOIZE | keys | TUPLE3 MEMOIZE STOP
-        opening, closing = (b"\x94(", b"t\x94") if size > 3 else (b"\x94", bytes((0x84 + size, 0x94)))
-        parent_op = bytes((0x43, self.width))
-        fixed = len(parent_op) + self.width + len(opening) + len(closing) + 3
+        # PROTO 5, FRAME len | SHORT_BINBYTES W | parent | MEMOIZE, MARK ints TUPLE (TUPLE1..3 below 4 ints),
+        # MEMOIZE | keys (N inline when there are none) | TUPLE3 MEMOIZE STOP
+        values, words, lens = _slots(blocks, 3, 1)
+        size = values.shape[1]
+        words[:, 1], lens[:, 1] = _word(bytes((0, 0, 0, 0x43, self.width)))  # frame length bytes 5..7, then C W
+        words[:, 2], lens[:, 2] = _word(b"\x94(" if size > 3 else b"\x94")
+        _pickle_tokens(values, words, lens, 3)
+        closing = b"t\x94" if size > 3 else bytes((0x84 + size, 0x94))
+        segments = self._segments(framer, first_index, len(blocks))
+        words[:, -1], lens[:, -1] = _word(closing if segments else closing + b"N\x87\x94.")
+        # the frame's length: all but its 11-byte header (slot 0 and 3 bytes of slot 1), with the parent
+        body = lens[:, 1:].sum(axis=1) + (self.width - 3)
+        if segments is not None:
+            body += [len(k) + 3 if k is not None else _MAX_FRAME for k in segments]
+        words[:, 0], lens[:, 0] = (0x80 | 0x05 << 8 | 0x95 << 16) | (np.minimum(body, _MAX_FRAME) << 24), 8
+        data, starts, mids, ends = _pack(words, lens, 2)
+        fits = (body <= _MAX_FRAME).tolist()
         digest = self._digest
         out: list[BlockHash] = []
         d = parent
         for i in range(len(blocks)):
-            keys = b"N" if framer is None else framer.segment(first_index + i)
-            body = _MAX_FRAME + 1 if keys is None else len(keys) + ends[i + 1] - ends[i] + fixed
-            if keys is not None and body <= _MAX_FRAME:
-                tail = opening + data[ends[i] : ends[i + 1]] + closing + keys + b"\x87\x94."
-                d = digest(b"\x80\x05\x95" + body.to_bytes(8, "little") + parent_op + d + tail)
-            else:  # several pickle frames: let pickle frame it
-                block_keys = None if framer is None else framer.keys(first_index + i)
-                tokens = tuple(np.frombuffer(blocks[i], dtype="<u4").tolist())
-                d = self.hash_value((d, tokens, block_keys))
+            if not fits[i]:  # several pickle frames: let pickle frame it
+                keys = None if framer is None else framer.keys(first_index + i)
+                d = self.hash_value((d, tuple(values[i].tolist()), keys))
+            elif segments is None:
+                d = digest(data[starts[i] : mids[i]] + d + data[mids[i] : ends[i]])
+            else:
+                d = digest(data[starts[i] : mids[i]] + d + data[mids[i] : ends[i]] + segments[i] + b"\x87\x94.")  # type: ignore[operator]
             out.append(d)
         return out
 

@@ -208,7 +208,8 @@ def _slots(blocks: list[bytes], before: int, after: int) -> tuple[np.ndarray, np
 def _size_class(values: np.ndarray, *bounds: int) -> np.ndarray:
     """How many of ``bounds`` each value reaches (0..3)."""
     a, b, c = (np.greater_equal(values, bound).view(np.uint8) for bound in bounds)
-    return a + b + c
+    out: np.ndarray = a + b + c
+    return out
 
 
 def _pickle_tokens(values: np.ndarray, words: np.ndarray, lens: np.ndarray, before: int) -> None:

@@ -105,14 +105,24 @@ class VllmStored(Struct, omit_defaults=True, tag_field="type", tag="BlockStored"
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    # Every field of vLLM 0.33's BlockStored, in its order, even those kvblocks leaves unset: msgspec sizes a
+    # map's header by the number of fields a struct has, so the same fields give the same bytes.
+    extra_keys: list[Any] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class VllmRemoved(Struct, omit_defaults=True, tag_field="type", tag="BlockRemoved"):
     block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class SglangStored(Struct, omit_defaults=True, tag_field="type", tag="BlockStored"):
@@ -122,6 +132,8 @@ class SglangStored(Struct, omit_defaults=True, tag_field="type", tag="BlockStore
     block_size: int
     lora_id: int | None
     medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
     lora_name: str | None = None
 
 

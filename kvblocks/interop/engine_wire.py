@@ -351,12 +351,12 @@ def _encode_events(events: Iterable[KVEvent], dialect: Dialect, int_hashes: bool
             continue
         parent = None if event.parent_hash is None else _wire_hash(event.parent_hash, dialect, int_hashes)
         tokens = _check_tokens(event.token_ids)
-        args = (hashes, parent, tokens, event.block_size or 0, event.lora_id, medium, event.lora_name)
-        if dialect == "sglang":
-            out.append(stored_cls(*args))
-        else:
-            kind = None if event.group_kind is None else _GROUP_KIND_TO_SPEC_KIND.get(event.group_kind)
-            out.append(stored_cls(*args, group_idx=event.group, kv_cache_spec_kind=kind))
+        args = (hashes, parent, tokens, event.block_size or 0, event.lora_id)
+        named: dict[str, Any] = {"medium": medium, "lora_name": event.lora_name}
+        if dialect == "vllm":
+            named["group_idx"] = event.group
+            named["kv_cache_spec_kind"] = None if event.group_kind is None else _GROUP_KIND_TO_SPEC_KIND.get(event.group_kind)
+        out.append(stored_cls(*args, **named))
     return out
 
 

@@ -146,8 +146,9 @@ def _vllm_workers() -> dict[str, Any]:
         swa = {"group_idx": 1, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
         a, b, c = prompts["A"], prompts["B"], prompts["C"]
         batches = [
-            [stored(h["A"], None, a, session_id="req-a", **full)],
-            [stored(h["B"][2:], h["B"][1], b[8:], extra_keys=None, **full), stored(h["A"], None, a, **swa)],
+            [stored(h["A"], None, a, **full)],
+            [stored(h["B"][2:], h["B"][1], b[8:], extra_keys=None, **full)],
+            [stored(h["A"], None, a, session_id="req-a", **swa)],
             [
                 stored(h["C"], None, c, lora_id=1, lora_name="sql-adapter", extra_keys=[("sql-adapter",)] * 2, **full),
                 ke.BlockRemoved(block_hashes=[h["A"][0]], medium="GPU", group_idx=1),

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -67,7 +68,7 @@ EVENT_GROUP_KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local",
 here because this layer is below :mod:`kvblocks.hybrid` (a test keeps the two equal)."""
 
 
-@dataclass(slots=True, unsafe_hash=True)  # not frozen: a frozen init costs 5x, on the hot path
+@dataclass(slots=True, eq=False)  # not frozen: a frozen init costs 5x, on the hot path
 class BlockStored:
     """Blocks became findable in ``tier``; ``block_hashes`` form a chain hanging off ``parent_hash``.
 
@@ -77,17 +78,43 @@ class BlockStored:
     its kind), ``block_size`` (tokens per block), ``lora_id`` / ``lora_name`` (the adapter the blocks
     were computed with). ``parent_hash`` is the chain's previous hash even when that group does not
     hold it (a sliding-window group keeps only a window of the chain).
+
+    ``token_ids`` is any sequence of ints: kvblocks' own caches hand over an ``array('I')`` copy (a
+    memcpy, where a tuple would build an int object per token on the hot path). Equality and hashing
+    read it as a tuple, so ``token_ids=(1, 2)`` and ``array('I', [1, 2])`` make equal events.
     """
 
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None
     tier: str
-    token_ids: tuple[int, ...] | None = None
+    token_ids: Sequence[int] | None = None
     group: int | None = None
     group_kind: str | None = None
     block_size: int | None = None
     lora_id: int | None = None
     lora_name: str | None = None
+
+    def _key(self) -> tuple[object, ...]:
+        tokens = self.token_ids
+        return (
+            self.block_hashes,
+            self.parent_hash,
+            self.tier,
+            None if tokens is None else tuple(tokens),
+            self.group,
+            self.group_kind,
+            self.block_size,
+            self.lora_id,
+            self.lora_name,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not BlockStored:
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 @dataclass(slots=True, unsafe_hash=True)  # not frozen: a frozen init costs 5x, on the hot path
@@ -149,7 +176,7 @@ _INT_ONLY = frozenset((int,))
 
 def _are_tokens(values: Sequence[object]) -> bool:
     """Whether every value is an int (not a bool) in ``[0, 2**32)``: a test in C, not a Python loop per token."""
-    if not values:
+    if not values or (type(values) is array and values.typecode == "I"):  # u32 by construction
         return True
     if not set(map(type, values)) <= _INT_ONLY:
         return False
@@ -259,8 +286,9 @@ def _event_to_json(event: KVEvent) -> list[Any]:
             raise exc(f"cannot encode BlockStored: {problem}")
         parent = None if event.parent_hash is None else hash_to_json(event.parent_hash)
         out: list[Any] = ["S", event.tier, hashes_to_json(event.block_hashes), parent]
-        if event.token_ids is not None:
-            out.append(list(event.token_ids))
+        tokens = event.token_ids
+        if tokens is not None:
+            out.append(tokens.tolist() if type(tokens) is array else list(tokens))
         for name in ("block_size", "lora_id", "lora_name"):
             value = getattr(event, name)
             if value is not None:

@@ -292,7 +292,8 @@ class PrefixTree:
         if self._events is not None:
             parent_hash = hashes[first_new - 1] if first_new > 0 else None
             size = self.block_size
-            token_ids = None if tokens is None or size is None else tuple(tokens[first_new * size : stop * size])
+            # a slice of the caller's array('I') is a memcpy: no int object per token (see BlockStored)
+            token_ids = None if tokens is None or size is None else tokens[first_new * size : stop * size]
             self._events.emit(
                 BlockStored(
                     tuple(hashes[first_new:stop]),

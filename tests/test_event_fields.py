@@ -89,3 +89,24 @@ def test_any_manager_snapshots_its_cache_for_a_publisher() -> None:
     m.allocate("a", 5)
     m.commit("a", 5)
     assert m.snapshot_events() == [BlockStored(tuple(block_hashes([1, 2, 3, 4], 2)), None, "device", block_size=2)]
+
+
+def test_token_ids_of_any_sequence_type_make_equal_events_and_a_cache_s_event_is_its_own_copy() -> None:
+    from array import array
+
+    from kvblocks import KVCacheManager
+
+    assert BlockStored((1,), None, "device", array("I", [1, 2])) == BlockStored((1,), None, "device", (1, 2))
+    assert hash(BlockStored((1,), None, "device", array("I", [1, 2]))) == hash(
+        BlockStored((1,), None, "device", (1, 2))
+    )
+    assert BlockStored((1,), None, "device", (1, 2)) != BlockStored((1,), None, "device", (1, 3))
+    assert BlockStored((1,), None, "device", ()) != BlockStored((1,), None, "device", None)
+    sink = EventSink()
+    m = KVCacheManager(num_blocks=8, block_size=2, event_sink=sink)
+    m.add_sequence("a", [1, 2, 3])
+    m.allocate("a", 3)
+    m.commit("a", 3)
+    (record,) = sink.drain()
+    m.append_tokens("a", [4, 5, 6])  # the sequence's tokens grow; the event already emitted does not
+    assert list(record.event.token_ids) == [1, 2]

@@ -21,16 +21,35 @@ from kvblocks.hashing import vllm_int_hash
 from kvblocks.interop.engine_wire import EngineEventDecoder, decode_engine_batch, encode_engine_batch
 
 DATA = Path(__file__).parent / "data"
-STREAMS = {"vllm": json.loads((DATA / "vllm_event_stream.json").read_text()),
-           "sglang": json.loads((DATA / "sglang_event_stream.json").read_text())}  # fmt: skip
+STREAMS = {
+    "vllm": json.loads((DATA / "vllm_event_stream.json").read_text()),
+    "sglang": json.loads((DATA / "sglang_event_stream.json").read_text()),
+}
 U64 = (1 << 64) - 1
 TIERS = ("device", "host", "storage")
 # The mapping the issue specifies, written here independently of the module under test.
-MEDIUM = {None: "device", "GPU": "device", "CPU": "host", "CPU_PINNED": "host", "STORAGE": "storage",
-          "DISK": "storage", "EXTERNAL": "storage"}  # fmt: skip
+MEDIUM = {
+    None: "device",
+    "GPU": "device",
+    "CPU": "host",
+    "CPU_PINNED": "host",
+    "STORAGE": "storage",
+    "DISK": "storage",
+    "EXTERNAL": "storage",
+}
 KIND = {"full_attention": "full", "sliding_window": "sliding_window"}
-OURS = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-        "group_idx", "kv_cache_spec_kind"}  # fmt: skip
+OURS = {
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "group_idx",
+    "kv_cache_spec_kind",
+}
 
 
 def _hash(raw: Any) -> int | bytes:
@@ -50,7 +69,9 @@ def _expected(script: list[dict[str, Any]], kinds: dict[int, str]) -> tuple[list
                 out.extend(AllBlocksCleared(t) for t in TIERS)
         elif ev["type"] == "BlockRemoved":
             hashes = tuple(_hash(h) for h in ev["block_hashes"])
-            out.append(BlockRemoved(hashes, MEDIUM[ev["medium"]], group, kinds.get(group) if group is not None else None))
+            out.append(
+                BlockRemoved(hashes, MEDIUM[ev["medium"]], group, kinds.get(group) if group is not None else None)
+            )
         else:
             kind = KIND.get(ev.get("kv_cache_spec_kind") or "")
             if kind is not None:
@@ -58,8 +79,19 @@ def _expected(script: list[dict[str, Any]], kinds: dict[int, str]) -> tuple[list
             tokens = ev["token_ids"]
             flat = None if not tokens or isinstance(tokens[0], list) else tuple(tokens)
             parent = None if ev["parent_block_hash"] is None else _hash(ev["parent_block_hash"])
-            out.append(BlockStored(tuple(_hash(h) for h in ev["block_hashes"]), parent, MEDIUM[ev["medium"]], flat,
-                                   group, kind, ev["block_size"], ev["lora_id"], ev["lora_name"]))  # fmt: skip
+            out.append(
+                BlockStored(
+                    tuple(_hash(h) for h in ev["block_hashes"]),
+                    parent,
+                    MEDIUM[ev["medium"]],
+                    flat,
+                    group,
+                    kind,
+                    ev["block_size"],
+                    ev["lora_id"],
+                    ev["lora_name"],
+                )
+            )
     return out, resets
 
 
@@ -72,7 +104,9 @@ def test_recorded_stream_decodes_to_the_scripted_events(engine: str, worker: dic
     decoder = EngineEventDecoder(engine)  # type: ignore[arg-type]
     kinds: dict[int, str] = {}
     assert len(worker["live"]) == len(worker["script"])
-    for seq, (frames, script, ts) in enumerate(zip(worker["live"], worker["script"], worker["timestamps"], strict=True)):
+    for seq, (frames, script, ts) in enumerate(
+        zip(worker["live"], worker["script"], worker["timestamps"], strict=True)
+    ):
         topic, seq_bytes, payload = (bytes.fromhex(f) for f in frames)
         assert topic == STREAMS[engine]["topic"].encode() and int.from_bytes(seq_bytes, "big") == seq
         got = decoder.decode(payload)
@@ -134,8 +168,15 @@ def test_reencoding_recorded_payloads_gives_the_engine_bytes(engine: str, worker
 def test_old_vllm_array_events_decode() -> None:
     """vLLM <= 0.11 wrote events as positional arrays (array_like KVCacheEvent): both shapes are read."""
     payload = msgspec.msgpack.encode(
-        [5.0, [["BlockStored", [7, 8], None, [1, 2, 3, 4], 2, None, "GPU"], ["BlockRemoved", [7], "CPU"],
-               ["AllBlocksCleared"]], 3]  # fmt: skip
+        [
+            5.0,
+            [
+                ["BlockStored", [7, 8], None, [1, 2, 3, 4], 2, None, "GPU"],
+                ["BlockRemoved", [7], "CPU"],
+                ["AllBlocksCleared"],
+            ],
+            3,
+        ]
     )
     got = decode_engine_batch(payload)
     assert got.events == (
@@ -147,23 +188,45 @@ def test_old_vllm_array_events_decode() -> None:
 
 
 def test_unknown_medium_and_kind() -> None:
-    ev = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [], "block_size": 4,
-          "lora_id": None, "medium": "NVME_OF", "lora_name": None, "group_idx": 2, "kv_cache_spec_kind": "unknown"}  # fmt: skip
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "NVME_OF",
+        "lora_name": None,
+        "group_idx": 2,
+        "kv_cache_spec_kind": "unknown",
+    }
     got = decode_engine_batch(msgspec.msgpack.encode([1.0, [ev]])).events[0]
     assert got == BlockStored((1,), None, "NVME_OF", None, 2, None, 4)
 
 
 def test_removals_take_the_kind_their_group_was_stored_with_and_errors_change_nothing() -> None:
     decoder = EngineEventDecoder("vllm")
-    stored = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [9], "block_size": 1,
-              "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 3, "kv_cache_spec_kind": "mamba"}  # fmt: skip
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [9],
+        "block_size": 1,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "group_idx": 3,
+        "kv_cache_spec_kind": "mamba",
+    }
     bad = dict(stored, group_idx=4, token_ids=[2**32])
     with pytest.raises(EventDecodeError):
         decoder.decode(msgspec.msgpack.encode([1.0, [dict(stored, group_idx=4), bad]]))
     assert decoder.group_kinds == {}
     decoder.decode(msgspec.msgpack.encode([1.0, [stored]]))
     removed = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 3}
-    assert decoder.decode(msgspec.msgpack.encode([2.0, [removed]])).events == (BlockRemoved((1,), "device", 3, "recurrent"),)
+    assert decoder.decode(msgspec.msgpack.encode([2.0, [removed]])).events == (
+        BlockRemoved((1,), "device", 3, "recurrent"),
+    )
 
 
 @pytest.mark.parametrize(
@@ -185,8 +248,16 @@ def test_removals_take_the_kind_their_group_was_stored_with_and_errors_change_no
     ],
 )
 def test_out_of_range_values_are_refused(change: dict[str, Any]) -> None:
-    ev = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
-          "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None}  # fmt: skip
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
     ev.update(change)
     with pytest.raises(EventDecodeError):
         decode_engine_batch(msgspec.msgpack.encode([1.0, [ev]]))
@@ -194,10 +265,17 @@ def test_out_of_range_values_are_refused(change: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(
     "payload",
-    [b"", b"\xc1", b"\x92\xcb\x7f\xf8\x00\x00\x00\x00\x00\x00\x90", b"\x91" * 100_000 + b"\xc0",
-     msgspec.msgpack.encode([1.0, [{"type": "Pickle", "data": b"cos\nsystem\n"}]]),
-     msgspec.msgpack.encode({"ts": 1.0}), msgspec.msgpack.encode([True, []]), msgspec.msgpack.encode([1.0, [], -1])],
-)  # fmt: skip
+    [
+        b"",
+        b"\xc1",
+        b"\x92\xcb\x7f\xf8\x00\x00\x00\x00\x00\x00\x90",
+        b"\x91" * 100_000 + b"\xc0",
+        msgspec.msgpack.encode([1.0, [{"type": "Pickle", "data": b"cos\nsystem\n"}]]),
+        msgspec.msgpack.encode({"ts": 1.0}),
+        msgspec.msgpack.encode([True, []]),
+        msgspec.msgpack.encode([1.0, [], -1]),
+    ],
+)
 def test_malformed_payloads_are_refused(payload: bytes) -> None:
     with pytest.raises(EventDecodeError):
         decode_engine_batch(payload)
@@ -221,8 +299,11 @@ def _events(draw: st.DrawFn) -> KVEvent:
     if which == 1:
         return BlockRemoved(hashes, tier, group, kind)
     size = draw(st.one_of(st.none(), st.integers(1, 4)))
-    tokens = None if size is None or draw(st.booleans()) else tuple(draw(st.lists(st.integers(0, 2**32 - 1),
-                                                                                  min_size=size * len(hashes), max_size=size * len(hashes))))  # fmt: skip
+    tokens = (
+        None
+        if size is None or draw(st.booleans())
+        else tuple(draw(st.lists(st.integers(0, 2**32 - 1), min_size=size * len(hashes), max_size=size * len(hashes))))
+    )
     lora = draw(st.sampled_from([(None, None), (3, "sql"), (None, "chat")]))
     parent = draw(st.one_of(st.none(), _hashes))
     return BlockStored(hashes, parent, tier, tokens, group, kind if kind is not None else None, size, *lora)
@@ -231,6 +312,7 @@ def _events(draw: st.DrawFn) -> KVEvent:
 def _oracle(batch: EventBatch, dialect: str, int_hashes: bool) -> tuple[tuple[KVEvent, ...], bool]:
     """What a batch must read back as: engine clears clear all tiers, a leading one resets, hashes take the
     wire's form, SGLang keeps only the scored events and no groups, vLLM groups keep the kinds it can name."""
+
     def h(x: int | bytes) -> int | bytes:
         if dialect == "sglang" or int_hashes or isinstance(x, int):
             return vllm_int_hash(x)
@@ -256,7 +338,11 @@ def _oracle(batch: EventBatch, dialect: str, int_hashes: bool) -> tuple[tuple[KV
             continue
         group = None if dialect == "sglang" else e.group
         if isinstance(e, BlockRemoved):
-            out.append(BlockRemoved(tuple(h(x) for x in e.block_hashes), e.tier, group, kinds.get(group) if group is not None else None))  # type: ignore[arg-type]
+            out.append(
+                BlockRemoved(
+                    tuple(h(x) for x in e.block_hashes), e.tier, group, kinds.get(group) if group is not None else None
+                )
+            )  # type: ignore[arg-type]
             continue
         assert isinstance(e, BlockStored)
         kind = None if dialect == "sglang" else e.group_kind
@@ -265,8 +351,19 @@ def _oracle(batch: EventBatch, dialect: str, int_hashes: bool) -> tuple[tuple[KV
         elif group is not None:
             kind = kinds.get(group)
         parent = None if e.parent_hash is None else h(e.parent_hash)
-        out.append(BlockStored(tuple(h(x) for x in e.block_hashes), parent, e.tier, e.token_ids or None, group, kind,
-                               e.block_size, e.lora_id, e.lora_name))  # fmt: skip
+        out.append(
+            BlockStored(
+                tuple(h(x) for x in e.block_hashes),
+                parent,
+                e.tier,
+                e.token_ids or None,
+                group,
+                kind,
+                e.block_size,
+                e.lora_id,
+                e.lora_name,
+            )
+        )
     return tuple(out), resets
 
 
@@ -299,13 +396,24 @@ def test_encoding_refuses_what_has_no_encoding() -> None:
 
 _VALID = [bytes.fromhex(f[2]) for _, w in _workers() for f in w["live"]]
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
-    | st.binary(max_size=8) | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "GPU"]),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(
-        st.sampled_from(["type", "block_hashes", "token_ids", "medium", "group_idx", "ts", "events"]) | st.text(max_size=4),
-        inner, max_size=5),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+    | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "GPU"]),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.dictionaries(
+            st.sampled_from(["type", "block_hashes", "token_ids", "medium", "group_idx", "ts", "events"])
+            | st.text(max_size=4),
+            inner,
+            max_size=5,
+        )
+    ),
     max_leaves=30,
-)  # fmt: skip
+)
 
 
 def _decode_or_refuse(data: bytes, dialect: str = "vllm") -> None:
@@ -316,7 +424,11 @@ def _decode_or_refuse(data: bytes, dialect: str = "vllm") -> None:
     for e in got.events:
         if isinstance(e, BlockStored) and e.token_ids is not None:
             assert all(0 <= t < 2**32 for t in e.token_ids)
-        assert all((isinstance(x, int) and 0 <= x <= U64) or (isinstance(x, bytes) and x) for x in e.block_hashes if not isinstance(e, AllBlocksCleared))  # type: ignore[union-attr]
+        assert all(
+            (isinstance(x, int) and 0 <= x <= U64) or (isinstance(x, bytes) and x)
+            for x in e.block_hashes
+            if not isinstance(e, AllBlocksCleared)
+        )  # type: ignore[union-attr]
 
 
 @settings(max_examples=1500, deadline=None)

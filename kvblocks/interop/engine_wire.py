@@ -45,7 +45,7 @@ module), which bound every value (token ids below ``2**32``, sizes and ranks in 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -316,7 +316,7 @@ def _medium(tier: str, dialect: Dialect) -> str:
     return _TIER_TO_MEDIUM[dialect].get(tier, tier)
 
 
-def _check_tokens(tokens: tuple[int, ...] | None) -> list[int]:
+def _check_tokens(tokens: Sequence[int] | None) -> list[int]:
     if not tokens:
         return []
     out = list(tokens)
@@ -355,7 +355,9 @@ def _encode_events(events: Iterable[KVEvent], dialect: Dialect, int_hashes: bool
         named: dict[str, Any] = {"medium": medium, "lora_name": event.lora_name}
         if dialect == "vllm":
             named["group_idx"] = event.group
-            named["kv_cache_spec_kind"] = None if event.group_kind is None else _GROUP_KIND_TO_SPEC_KIND.get(event.group_kind)
+            named["kv_cache_spec_kind"] = (
+                None if event.group_kind is None else _GROUP_KIND_TO_SPEC_KIND.get(event.group_kind)
+            )
         out.append(stored_cls(*args, **named))
     return out
 

@@ -332,7 +332,9 @@ class ZmqEventSubscriber:
                 self._dealer.connect(replay_endpoint)
         except zmq.ZMQError as error:
             self.close()
-            raise ConfigError(f"cannot connect to the KV event endpoints {endpoint!r}, {replay_endpoint!r}: {error}")
+            raise ConfigError(
+                f"cannot connect to the KV event endpoints {endpoint!r}, {replay_endpoint!r}: {error}"
+            ) from None
         self._last: int | None = None
         self._reset_next = False
         self.received = 0

@@ -180,8 +180,8 @@ def _vllm_workers() -> dict[str, Any]:
 
         def make(endpoint: str, replay: str, rank: int = rank, steps: int = buffer_steps) -> Any:
             # vLLM adds the DP rank to the port: hand it the port less the rank.
-            def shift(e: str) -> str:
-                return e.rsplit(":", 1)[0] + ":" + str(int(e.rsplit(":", 1)[1]) - rank)
+            def shift(address: str, rank: int = rank) -> str:
+                return address.rsplit(":", 1)[0] + ":" + str(int(address.rsplit(":", 1)[1]) - rank)
 
             return ke.ZmqEventPublisher(rank, shift(endpoint), shift(replay), buffer_steps=steps, topic=TOPIC)
 
@@ -262,8 +262,8 @@ def _sglang_workers() -> dict[str, Any]:
         batches = [ke.KVEventBatch(ts=1_700_000_100.0 + k, events=evs) for k, evs in enumerate(events)]
 
         def make(endpoint: str, replay: str, rank: int = rank, steps: int = buffer_steps) -> Any:
-            def shift(x: str) -> str:
-                return x.rsplit(":", 1)[0] + ":" + str(int(x.rsplit(":", 1)[1]) - rank)
+            def shift(address: str, rank: int = rank) -> str:
+                return address.rsplit(":", 1)[0] + ":" + str(int(address.rsplit(":", 1)[1]) - rank)
 
             return ke.ZmqEventPublisher(rank, shift(endpoint), shift(replay), buffer_steps=steps, topic=TOPIC)
 

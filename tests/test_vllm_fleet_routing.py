@@ -1,0 +1,197 @@
+"""A kvblocks Router indexes a vLLM fleet from the fleet's own ZMQ event streams, recorded from vLLM 0.33.
+
+``tests/data/vllm_event_stream.json`` holds the frames vLLM's own ``ZmqEventPublisher`` sent for three
+workers (made by ``tools/vectors/record_engine_event_streams.py``, whose docstring gives the commands),
+with the scripted prompts whose block hashes vLLM computed (sha256, its default seed). Here a small
+engine stand-in serves those recorded frames on 127.0.0.1 -- a PUB socket and a ROUTER replay socket that
+answers as vLLM's does -- and the router recomputes every hash from the prompts' token ids with
+``hash_scheme="vllm-sha256"``, as llm-d's indexer does: nothing here was produced by kvblocks' encoder.
+
+What the workers hold at the end of their scripts (block size 4; the tier weights 1, 0.5, 0.25)::
+
+    vllm-0, vllm-2   device: A0 A1 B2 C0 C1 (C with the sql-adapter LoRA)   host: B3   storage: D0
+                     (A2 and B3 left the GPU; the sliding-window group's A0..A2 are not the prefix)
+    vllm-1           the same, then AllBlocksCleared, then A0 A1 again on the GPU
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
+
+from kvblocks.events import EventConsumer  # noqa: E402
+from kvblocks.hashing import BlockExtras  # noqa: E402
+from kvblocks.interop.zmq_events import ZmqEventSubscriber, pump_subscriber  # noqa: E402
+from kvblocks.routing import Router, RouterConfig  # noqa: E402
+
+DATA = json.loads((Path(__file__).parent / "data" / "vllm_event_stream.json").read_text())
+PROMPTS = DATA["prompts"]
+SQL = BlockExtras(lora="sql-adapter", lora_path="/adapters/sql")
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+def _frames(worker: dict) -> list[tuple[bytes, bytes, bytes]]:
+    return [tuple(bytes.fromhex(part) for part in frame) for frame in worker["live"]]  # type: ignore[misc]
+
+
+class RecordedEngine:
+    """One worker's recorded stream served as vLLM serves it: PUB frames, and a ROUTER that replays them."""
+
+    def __init__(self, worker: dict, context) -> None:  # type: ignore[no-untyped-def]
+        self.frames = _frames(worker)
+        self.buffer_steps = worker["buffer_steps"]
+        self.upto = -1  # the last batch the engine published (sent, or lost on the way): its buffer ends there
+        self.pub = context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.router = context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.requests: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def answer(self, start: int) -> list[list[bytes]]:
+        """vLLM's answer to a replay request from ``start`` (without the requester's identity frame): what
+        its buffer of the last ``buffer_steps`` published batches holds from ``start`` on, then the end marker."""
+        buffered = self.frames[max(0, self.upto + 1 - self.buffer_steps) : self.upto + 1]
+        out = [[b"", topic, seq, payload] for topic, seq, payload in buffered if int.from_bytes(seq, "big") >= start]
+        return out + [[b"", b"", END, b""]]
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(10):
+                continue
+            identity, _empty, start = self.router.recv_multipart()
+            self.requests.append(int.from_bytes(start, "big"))
+            for frames in self.answer(int.from_bytes(start, "big")):
+                self.router.send_multipart([identity, *frames])
+
+    def publish(self, seq: int, *, lost: bool = False) -> None:
+        """Publish batch ``seq``; a ``lost`` one is buffered for replays but never reaches the subscriber."""
+        self.upto = max(self.upto, seq)
+        if not lost:
+            self.pub.send_multipart(self.frames[seq])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.pub.close()
+        self.router.close()
+
+
+def _follow(engines: dict[str, RecordedEngine], router: Router, drop: dict[str, set[int]]) -> dict[str, object]:
+    """Subscribe the router to every engine; publish each stream live, leaving out the ``drop`` ped frames."""
+    consumer = EventConsumer(on_events=router.apply_events, on_snapshot=router.replace_index)
+    subscribers = {
+        name: ZmqEventSubscriber(e.endpoint, e.replay_endpoint, worker=name, topic=DATA["topic"], dialect="vllm")
+        for name, e in engines.items()
+    }
+    try:
+        for name, engine in engines.items():
+            sub = subscribers[name]
+            # ZMQ's slow joiner: resend frame 0 until the subscriber has it (a repeat is a duplicate, dropped)
+            for _ in range(500):
+                engine.publish(0)
+                pump_subscriber(sub, consumer, timeout_s=0.01)
+                if sub.last_seq == 0:
+                    break
+            assert sub.last_seq == 0
+            for seq in range(1, len(engine.frames)):
+                engine.publish(seq, lost=seq in drop.get(name, set()))
+            while sub.last_seq != len(engine.frames) - 1:
+                assert pump_subscriber(sub, consumer, timeout_s=2.0) or sub.last_seq == len(engine.frames) - 1
+        assert consumer.gaps == 0 and consumer.needs_resync == set()
+        return {name: (s.gaps, s.replays, s.replayed, s.resets, s.malformed) for name, s in subscribers.items()}
+    finally:
+        for sub in subscribers.values():
+            sub.close()
+
+
+@pytest.fixture
+def context():  # type: ignore[no-untyped-def]
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+def _engines(context, names: list[str]) -> dict[str, RecordedEngine]:  # type: ignore[no-untyped-def]
+    by_name = {w["name"]: w for w in DATA["workers"]}
+    return {name: RecordedEngine(by_name[name], context) for name in names}
+
+
+def _expected_overlaps(router: Router) -> dict[str, dict[str, float]]:
+    a, b = router.prompt_hashes(PROMPTS["A"]), router.prompt_hashes(PROMPTS["B"])
+    c, d = router.prompt_hashes(PROMPTS["C"], SQL), router.prompt_hashes(PROMPTS["D"])
+    return {"A": router.overlaps(a), "B": router.overlaps(b), "C": router.overlaps(c), "D": router.overlaps(d)}
+
+
+def test_the_recorded_stream_is_vllms_answer_to_a_replay() -> None:
+    """The stand-in answers a replay exactly as vLLM's ROUTER did when it was recorded."""
+    for worker in DATA["workers"]:
+        recorded = [[bytes.fromhex(part) for part in frame] for frame in worker["replay"]]
+        engine = RecordedEngine.__new__(RecordedEngine)
+        engine.frames, engine.buffer_steps = _frames(worker), worker["buffer_steps"]
+        engine.upto = len(engine.frames) - 1  # the replay was asked for after the whole stream was published
+        assert engine.answer(worker["replay_from"]) == recorded
+
+
+def test_a_router_indexes_a_vllm_fleet_from_its_recorded_streams_recovering_a_gap_by_replay(context) -> None:
+    engines = _engines(context, ["vllm-0", "vllm-1"])
+    router = Router(
+        ["vllm-0", "vllm-1"],
+        RouterConfig(block_size=DATA["block_size"], hash_scheme="vllm-sha256", hash_form="vllm-int64"),
+    )
+    try:
+        # C's store never reaches the router live; vllm-1 loses 2..5, more than its 3-batch buffer reaches back
+        counters = _follow(engines, router, drop={"vllm-0": {3}, "vllm-1": {2, 3, 4, 5}})
+    finally:
+        for engine in engines.values():
+            engine.close()
+    # the gap was seen and filled from vLLM's replay buffer: nothing was reset
+    gaps, replays, replayed, resets, malformed = counters["vllm-0"]  # type: ignore[misc]
+    assert gaps == 1 and replays == 1 and replayed >= 1 and resets == 0 and malformed == 0
+    assert engines["vllm-0"].requests == [3]
+    # vllm-1: the replay from 2 finds only 5..7 in its 3-batch buffer: the worker is reset at 5 -- its view
+    # forgets what it cannot know, promising less, never more -- and its own AllBlocksCleared (6) follows
+    gaps, replays, replayed, resets, malformed = counters["vllm-1"]  # type: ignore[misc]
+    assert gaps == 1 and replays == 1 and resets == 1 and malformed == 0
+    assert engines["vllm-1"].requests == [2]
+    assert _expected_overlaps(router) == {
+        "A": {"vllm-0": 2.0, "vllm-1": 2.0},  # A2 left both GPUs
+        "B": {"vllm-0": 3.5, "vllm-1": 2.0},  # B3 is on vllm-0's host tier (0.5)
+        "C": {"vllm-0": 2.0, "vllm-1": 0.0},  # recovered through the replay
+        "D": {"vllm-0": 0.25, "vllm-1": 0.0},  # storage
+    }
+    # without its LoRA, C is another prompt: vLLM hashes the adapter into every block
+    assert router.overlaps(router.prompt_hashes(PROMPTS["C"])) == {"vllm-0": 0.0, "vllm-1": 0.0}
+    # routing: B's cached prefix wins on vllm-0; A ties on device blocks and goes to the less loaded worker
+    with router.route(PROMPTS["B"]) as lease:
+        assert lease.worker == "vllm-0" and lease.overlap_blocks == 3.0  # the last-token rule scores 3 blocks
+        assert router.route(PROMPTS["A"]).worker == "vllm-1"
+
+
+def test_a_router_reads_a_vllm_worker_that_publishes_byte_hashes(context) -> None:
+    """``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``: the events carry the 32-byte digests themselves."""
+    engines = _engines(context, ["vllm-2"])
+    router = Router(["vllm-2"], RouterConfig(block_size=DATA["block_size"], hash_scheme="vllm-sha256"))
+    try:
+        counters = _follow(engines, router, drop={"vllm-2": {1, 2}})
+    finally:
+        engines["vllm-2"].close()
+    assert counters["vllm-2"][0] == 1 and counters["vllm-2"][3] == 0  # type: ignore[index]
+    assert _expected_overlaps(router) == {
+        "A": {"vllm-2": 2.0},
+        "B": {"vllm-2": 3.5},
+        "C": {"vllm-2": 2.0},
+        "D": {"vllm-2": 0.25},
+    }

@@ -3,4 +3,10 @@
 Nothing here is imported by ``import kvblocks``: the wire codecs need ``msgspec`` and the transport
 ``pyzmq`` (``pip install "kvblocks[zmq]"``). The engines' block hash schemes live with kvblocks' own
 in :mod:`kvblocks.hashing`.
+
+* :mod:`kvblocks.interop.engine_wire` -- one engine payload (msgpack ``KVEventBatch``) <-> kvblocks events,
+  dialects ``"vllm"`` and ``"sglang"``.
+* :mod:`kvblocks.interop.zmq_events` -- :class:`ZmqEventPublisher` (a kvblocks event transport that vLLM
+  consumers read) and :class:`ZmqEventSubscriber` (an engine's stream into a kvblocks ``Router``, gaps filled
+  through the engine's replay socket).
 """

@@ -57,6 +57,7 @@ from kvblocks.hashing import (
     BlockHasher,
     HashedTokens,
     Namespace,
+    sglang_int_hash,
     validate_block_hashes,
     vllm_int_hash,
 )
@@ -65,9 +66,14 @@ __all__ = ["Lease", "NoWorkerError", "Router", "RouterConfig", "WorkerLoad"]
 
 _log = logging.getLogger("kvblocks.routing")
 TIERS = ("device", "host", "storage")
-HASH_FORMS: dict[str, Callable[[BlockHash], BlockHash] | None] = {"native": None, "vllm-int64": vllm_int_hash}
-"""How the workers' events write a block hash: as the scheme makes it (``"native"``), or as vLLM's
-64-bit integer form (``"vllm-int64"``, vLLM's default: :func:`kvblocks.hashing.vllm_int_hash`)."""
+HASH_FORMS: dict[str, Callable[[BlockHash], BlockHash] | None] = {
+    "native": None,
+    "vllm-int64": vllm_int_hash,
+    "sglang-int64": sglang_int_hash,
+}
+"""How the workers' events write a block hash: as the scheme makes it (``"native"``), as vLLM's 64-bit
+integer form (``"vllm-int64"``, vLLM's default: :func:`kvblocks.hashing.vllm_int_hash`), or as SGLang's
+(``"sglang-int64"``: :func:`kvblocks.hashing.sglang_int_hash`)."""
 
 
 class NoWorkerError(KVBlocksError, RuntimeError):

@@ -31,6 +31,7 @@ from kvblocks.interop.zmq_events import ZmqEventSubscriber, pump_subscriber  # n
 from kvblocks.routing import Router, RouterConfig  # noqa: E402
 
 DATA = json.loads((Path(__file__).parent / "data" / "vllm_event_stream.json").read_text())
+SGLANG = json.loads((Path(__file__).parent / "data" / "sglang_event_stream.json").read_text())
 PROMPTS = DATA["prompts"]
 SQL = BlockExtras(lora="sql-adapter", lora_path="/adapters/sql")
 END = (-1).to_bytes(8, "big", signed=True)
@@ -89,11 +90,14 @@ class RecordedEngine:
         self.router.close()
 
 
-def _follow(engines: dict[str, RecordedEngine], router: Router, drop: dict[str, set[int]]) -> dict[str, object]:
+def _follow(
+    engines: dict[str, RecordedEngine], router: Router, drop: dict[str, set[int]], data: dict = DATA
+) -> dict[str, object]:
     """Subscribe the router to every engine; publish each stream live, leaving out the ``drop`` ped frames."""
     consumer = EventConsumer(on_events=router.apply_events, on_snapshot=router.replace_index)
+    dialect = data["engine"]
     subscribers = {
-        name: ZmqEventSubscriber(e.endpoint, e.replay_endpoint, worker=name, topic=DATA["topic"], dialect="vllm")
+        name: ZmqEventSubscriber(e.endpoint, e.replay_endpoint, worker=name, topic=data["topic"], dialect=dialect)
         for name, e in engines.items()
     }
     try:
@@ -124,8 +128,8 @@ def context():  # type: ignore[no-untyped-def]
     ctx.term()
 
 
-def _engines(context, names: list[str]) -> dict[str, RecordedEngine]:  # type: ignore[no-untyped-def]
-    by_name = {w["name"]: w for w in DATA["workers"]}
+def _engines(context, names: list[str], data: dict = DATA) -> dict[str, RecordedEngine]:  # type: ignore[no-untyped-def]
+    by_name = {w["name"]: w for w in data["workers"]}
     return {name: RecordedEngine(by_name[name], context) for name in names}
 
 
@@ -194,4 +198,28 @@ def test_a_router_reads_a_vllm_worker_that_publishes_byte_hashes(context) -> Non
         "B": {"vllm-2": 3.5},
         "C": {"vllm-2": 2.0},
         "D": {"vllm-2": 0.25},
+    }
+
+
+def test_a_router_indexes_an_sglang_fleet_from_its_recorded_streams(context) -> None:
+    """SGLang 0.5.23's wire where it differs from vLLM's: signed int64 hashes (``hash_str_to_int64``), its
+    media (``CPU_PINNED``, ``DISK``, ``EXTERNAL``), ``attn_dp_rank``; the hashes recomputed from tokens with
+    ``sglang-sha256``. sglang-0 ends with A0 A1 B2 on the GPU, B3 pinned on the host and E0 E1 on disk and
+    an external pool (both storage); sglang-1 (a 3-batch buffer) then clears and stores A0 A1 again."""
+    engines = _engines(context, ["sglang-0", "sglang-1"], SGLANG)
+    config = RouterConfig(block_size=SGLANG["block_size"], hash_scheme="sglang-sha256", hash_form="sglang-int64")
+    router = Router(["sglang-0", "sglang-1"], config)
+    try:
+        counters = _follow(engines, router, drop={"sglang-0": {1}, "sglang-1": {1, 2, 3}}, data=SGLANG)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    gaps, replays, replayed, resets, malformed = counters["sglang-0"]  # type: ignore[misc]
+    assert gaps == 1 and replays == 1 and replayed >= 1 and resets == 0 and malformed == 0
+    assert counters["sglang-1"][3] == 1  # type: ignore[index]  # beyond its buffer: reset
+    prompts = SGLANG["prompts"]
+    assert {name: router.overlaps(router.prompt_hashes(prompts[name])) for name in prompts} == {
+        "A": {"sglang-0": 2.0, "sglang-1": 2.0},
+        "B": {"sglang-0": 3.5, "sglang-1": 2.0},
+        "E": {"sglang-0": 0.5, "sglang-1": 0.0},
     }

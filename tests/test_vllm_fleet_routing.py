@@ -16,10 +16,6 @@ What the workers hold at the end of their scripts (block size 4; the tier weight
 
 from __future__ import annotations
 
-import json
-import threading
-from pathlib import Path
-
 import pytest
 
 zmq = pytest.importorskip("zmq")
@@ -29,65 +25,12 @@ from kvblocks.events import EventConsumer  # noqa: E402
 from kvblocks.hashing import BlockExtras  # noqa: E402
 from kvblocks.interop.zmq_events import ZmqEventSubscriber, pump_subscriber  # noqa: E402
 from kvblocks.routing import Router, RouterConfig  # noqa: E402
+from tests.recorded_engine import RecordedEngine, _connected, _load  # noqa: E402
 
-DATA = json.loads((Path(__file__).parent / "data" / "vllm_event_stream.json").read_text())
-SGLANG = json.loads((Path(__file__).parent / "data" / "sglang_event_stream.json").read_text())
+DATA = _load("vllm")
+SGLANG = _load("sglang")
 PROMPTS = DATA["prompts"]
 SQL = BlockExtras(lora="sql-adapter", lora_path="/adapters/sql")
-END = (-1).to_bytes(8, "big", signed=True)
-
-
-def _frames(worker: dict) -> list[tuple[bytes, bytes, bytes]]:
-    return [tuple(bytes.fromhex(part) for part in frame) for frame in worker["live"]]  # type: ignore[misc]
-
-
-class RecordedEngine:
-    """One worker's recorded stream served as vLLM serves it: PUB frames, and a ROUTER that replays them."""
-
-    def __init__(self, worker: dict, context) -> None:  # type: ignore[no-untyped-def]
-        self.frames = _frames(worker)
-        self.buffer_steps = worker["buffer_steps"]
-        self.upto = -1  # the last batch the engine published (sent, or lost on the way): its buffer ends there
-        self.pub = context.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind("tcp://127.0.0.1:*")
-        self.router = context.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind("tcp://127.0.0.1:*")
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.requests: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def answer(self, start: int) -> list[list[bytes]]:
-        """vLLM's answer to a replay request from ``start`` (without the requester's identity frame): what
-        its buffer of the last ``buffer_steps`` published batches holds from ``start`` on, then the end marker."""
-        buffered = self.frames[max(0, self.upto + 1 - self.buffer_steps) : self.upto + 1]
-        out = [[b"", topic, seq, payload] for topic, seq, payload in buffered if int.from_bytes(seq, "big") >= start]
-        return out + [[b"", b"", END, b""]]
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self.router.poll(10):
-                continue
-            identity, _empty, start = self.router.recv_multipart()
-            self.requests.append(int.from_bytes(start, "big"))
-            for frames in self.answer(int.from_bytes(start, "big")):
-                self.router.send_multipart([identity, *frames])
-
-    def publish(self, seq: int, *, lost: bool = False) -> None:
-        """Publish batch ``seq``; a ``lost`` one is buffered for replays but never reaches the subscriber."""
-        self.upto = max(self.upto, seq)
-        if not lost:
-            self.pub.send_multipart(self.frames[seq])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.pub.close()
-        self.router.close()
 
 
 def _follow(
@@ -103,15 +46,9 @@ def _follow(
     try:
         for name, engine in engines.items():
             sub = subscribers[name]
-            # ZMQ's slow joiner: resend frame 0 until the subscriber has it (a repeat is a duplicate, dropped)
-            for _ in range(500):
-                engine.publish(0)
-                pump_subscriber(sub, consumer, timeout_s=0.01)
-                if sub.last_seq == 0:
-                    break
-            assert sub.last_seq == 0
-            for seq in range(1, len(engine.frames)):
-                engine.publish(seq, lost=seq in drop.get(name, set()))
+            _connected(sub, engine)  # ZMQ's slow joiner: frame 0 goes live until the SUB has it
+            for seq in range(len(engine.frames)):
+                engine.advance(live=seq not in drop.get(name, set()))
             while sub.last_seq != len(engine.frames) - 1:
                 assert pump_subscriber(sub, consumer, timeout_s=2.0) or sub.last_seq == len(engine.frames) - 1
         assert consumer.gaps == 0 and consumer.needs_resync == set()
@@ -121,16 +58,9 @@ def _follow(
             sub.close()
 
 
-@pytest.fixture
-def context():  # type: ignore[no-untyped-def]
-    ctx = zmq.Context()
-    yield ctx
-    ctx.term()
-
-
-def _engines(context, names: list[str], data: dict = DATA) -> dict[str, RecordedEngine]:  # type: ignore[no-untyped-def]
+def _engines(names: list[str], data: dict = DATA) -> dict[str, RecordedEngine]:
     by_name = {w["name"]: w for w in data["workers"]}
-    return {name: RecordedEngine(by_name[name], context) for name in names}
+    return {name: RecordedEngine(by_name[name], data["topic"]) for name in names}
 
 
 def _expected_overlaps(router: Router) -> dict[str, dict[str, float]]:
@@ -139,18 +69,28 @@ def _expected_overlaps(router: Router) -> dict[str, dict[str, float]]:
     return {"A": router.overlaps(a), "B": router.overlaps(b), "C": router.overlaps(c), "D": router.overlaps(d)}
 
 
-def test_the_recorded_stream_is_vllms_answer_to_a_replay() -> None:
-    """The stand-in answers a replay exactly as vLLM's ROUTER did when it was recorded."""
-    for worker in DATA["workers"]:
-        recorded = [[bytes.fromhex(part) for part in frame] for frame in worker["replay"]]
-        engine = RecordedEngine.__new__(RecordedEngine)
-        engine.frames, engine.buffer_steps = _frames(worker), worker["buffer_steps"]
-        engine.upto = len(engine.frames) - 1  # the replay was asked for after the whole stream was published
-        assert engine.answer(worker["replay_from"]) == recorded
+@pytest.mark.parametrize("data", [DATA, SGLANG], ids=["vllm", "sglang"])
+def test_the_stand_in_answers_a_replay_as_the_engine_did_when_recorded(data: dict) -> None:
+    for worker in data["workers"]:
+        engine = RecordedEngine(worker, data["topic"])
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            for _ in engine.frames:
+                engine.advance(live=False)  # the replay was asked for after the whole stream was published
+            dealer.connect(engine.replay_endpoint)
+            dealer.send_multipart([b"", worker["replay_from"].to_bytes(8, "big")])
+            answer = []
+            while not answer or answer[-1][2] != (-1).to_bytes(8, "big", signed=True):
+                assert dealer.poll(5000)
+                answer.append(dealer.recv_multipart())
+        finally:
+            dealer.close(linger=0)
+            engine.close()
+        assert answer == [[bytes.fromhex(part) for part in frame] for frame in worker["replay"]]
 
 
-def test_a_router_indexes_a_vllm_fleet_from_its_recorded_streams_recovering_a_gap_by_replay(context) -> None:
-    engines = _engines(context, ["vllm-0", "vllm-1"])
+def test_a_router_indexes_a_vllm_fleet_from_its_recorded_streams_recovering_a_gap_by_replay() -> None:
+    engines = _engines(["vllm-0", "vllm-1"])
     router = Router(
         ["vllm-0", "vllm-1"],
         RouterConfig(block_size=DATA["block_size"], hash_scheme="vllm-sha256", hash_form="vllm-int64"),
@@ -184,9 +124,9 @@ def test_a_router_indexes_a_vllm_fleet_from_its_recorded_streams_recovering_a_ga
         assert router.route(PROMPTS["A"]).worker == "vllm-1"
 
 
-def test_a_router_reads_a_vllm_worker_that_publishes_byte_hashes(context) -> None:
+def test_a_router_reads_a_vllm_worker_that_publishes_byte_hashes() -> None:
     """``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``: the events carry the 32-byte digests themselves."""
-    engines = _engines(context, ["vllm-2"])
+    engines = _engines(["vllm-2"])
     router = Router(["vllm-2"], RouterConfig(block_size=DATA["block_size"], hash_scheme="vllm-sha256"))
     try:
         counters = _follow(engines, router, drop={"vllm-2": {1, 2}})
@@ -201,12 +141,12 @@ def test_a_router_reads_a_vllm_worker_that_publishes_byte_hashes(context) -> Non
     }
 
 
-def test_a_router_indexes_an_sglang_fleet_from_its_recorded_streams(context) -> None:
+def test_a_router_indexes_an_sglang_fleet_from_its_recorded_streams() -> None:
     """SGLang 0.5.23's wire where it differs from vLLM's: signed int64 hashes (``hash_str_to_int64``), its
     media (``CPU_PINNED``, ``DISK``, ``EXTERNAL``), ``attn_dp_rank``; the hashes recomputed from tokens with
     ``sglang-sha256``. sglang-0 ends with A0 A1 B2 on the GPU, B3 pinned on the host and E0 E1 on disk and
     an external pool (both storage); sglang-1 (a 3-batch buffer) then clears and stores A0 A1 again."""
-    engines = _engines(context, ["sglang-0", "sglang-1"], SGLANG)
+    engines = _engines(["sglang-0", "sglang-1"], SGLANG)
     config = RouterConfig(block_size=SGLANG["block_size"], hash_scheme="sglang-sha256", hash_form="sglang-int64")
     router = Router(["sglang-0", "sglang-1"], config)
     try:

@@ -5,12 +5,8 @@ raw vLLM-style client frame for frame."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -22,80 +18,7 @@ from kvblocks.events import BlockStored, EventBatch, EventConsumer, EventPublish
 from kvblocks.hashing import block_hashes, vllm_int_hash
 from kvblocks.interop.zmq_events import END_SEQ, ZmqEventPublisher, ZmqEventSubscriber, pump_subscriber
 from kvblocks.routing import Router, RouterConfig
-
-DATA = Path(__file__).parent / "data"
-ANY_PORT = "tcp://127.0.0.1:*"
-
-
-def _until(condition: Callable[[], bool], step: Callable[[], object], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        step()
-
-
-class RecordedEngine:
-    """Serves a recorded stream as the engine did: live frames on PUB, a replay ROUTER over the frames
-    'published' so far (the last ``buffer_steps``). ``advance(live=False)`` puts a frame in the buffer
-    without sending it live: a message the subscriber missed."""
-
-    def __init__(self, worker: dict[str, Any], topic: str) -> None:
-        ctx = zmq.Context.instance()
-        self.frames = [[bytes.fromhex(p) for p in f] for f in worker["live"]]
-        self.topic = topic.encode()
-        self.buffer: deque[list[bytes]] = deque(maxlen=worker["buffer_steps"])
-        self.pub = ctx.socket(zmq.PUB)
-        self.pub.bind(ANY_PORT)
-        self.router = ctx.socket(zmq.ROUTER)
-        self.router.bind(ANY_PORT)
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.next = 0
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def advance(self, live: bool = True) -> None:
-        frame = self.frames[self.next]
-        self.next += 1
-        with self.lock:
-            self.buffer.append(frame)
-        if live:
-            self.pub.send_multipart(frame)
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            if not self.router.poll(10):
-                continue
-            client, _, start = self.router.recv_multipart()
-            with self.lock:
-                frames = [f for f in self.buffer if int.from_bytes(f[1], "big") >= int.from_bytes(start, "big")]
-            for f in frames:
-                self.router.send_multipart([client, b"", *f])
-            self.router.send_multipart([client, b"", b"", END_SEQ, b""])
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.pub.close(linger=0)
-        self.router.close(linger=0)
-
-
-def _load(engine: str) -> dict[str, Any]:
-    return dict(json.loads((DATA / f"{engine}_event_stream.json").read_text()))
-
-
-def _connected(sub: ZmqEventSubscriber, engine: RecordedEngine) -> None:
-    """Wait out ZMQ's slow joiner: frame 0 goes live until the SUB has it (a SUB misses what precedes it)."""
-    first = engine.frames[0]
-
-    def resend() -> None:
-        engine.pub.send_multipart(first)
-        time.sleep(0.005)
-
-    _until(lambda: sub._sub.poll(0) != 0, resend)
+from tests.recorded_engine import ANY_PORT, RecordedEngine, _connected, _load, _until
 
 
 @pytest.fixture
@@ -236,6 +159,7 @@ def test_a_kvblocks_manager_reaches_a_router_through_vllm_zmq_wire() -> None:
             )
         finally:
             sub.close()
+        assert transport.flush()  # ``sent`` is counted just after a batch left: the subscriber may be first
         assert transport.sent == publisher.batches_sent and transport.dropped == transport.errors == 0
     for toks in prompts.values():
         wire = [vllm_int_hash(h) for h in block_hashes(toks, 4)]
@@ -265,6 +189,7 @@ def test_the_publishers_replay_answers_a_raw_vllm_client_frame_for_frame() -> No
                 frames.append(client.recv_multipart())
         finally:
             client.close(linger=0)
+        _until(lambda: pub.replays == 1, lambda: time.sleep(0.001))  # counted just after the end marker left
         assert pub.errors == 1 and pub.replays == 1
     assert frames[-1] == [b"", b"", END_SEQ, b""]
     assert [f[:3] for f in frames[:-1]] == [[b"", b"kv", k.to_bytes(8, "big")] for k in (2, 3, 4)]

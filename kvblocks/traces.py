@@ -168,7 +168,8 @@ def _request(record: dict[str, object], kind: str, where: str) -> TraceRequest:
         blocks = -(-length // MOONCAKE_BLOCK_TOKENS)
         if len(ids) != blocks:
             raise TraceFormatError(
-                f"{where}: {len(ids)} hash_ids for {length} tokens; {MOONCAKE_BLOCK_TOKENS}-token blocks need {blocks}"
+                f"{where}: {len(ids)} hash_ids for {_brief(str(length), 40)} tokens; "
+                f"{MOONCAKE_BLOCK_TOKENS}-token blocks need {_brief(str(blocks), 40)}"
             )
         _distinct(ids, where)
         return TraceRequest(length, output, stamp, hash_ids=ids)

@@ -273,7 +273,8 @@ def test_replay_reports_storage_hits_and_prints_the_breakdown() -> None:
     _, plain = run("replay", "--json")
     unlimited = json.loads(plain)["hit_tokens"]
     assert status == 0 and result["hit_tokens_storage"] > 0 and result["hit_tokens_host"] == 0
-    assert 0.99 * unlimited <= result["hit_tokens"] <= unlimited  # writes are asynchronous: a few reads miss
+    # writes are asynchronous: a few reads miss -- 0.06% on an idle machine, 4.2% once in a loaded CI run
+    assert 0.9 * unlimited <= result["hit_tokens"] <= unlimited
     status, text = run("replay", "--blocks", "1500", "--host-blocks", "800", "--storage-blocks", "20000")
     assert status == 0 and "by tier        device" in text and "host" in text and "storage" in text
 

@@ -188,3 +188,13 @@ def test_the_command_answers_any_damaged_trace_with_a_result_or_one_error_line(
     else:
         assert status == 2 and out.getvalue() == ""
         assert err.getvalue().startswith("kvblocks replay: error: ") and err.getvalue().count("\n") == 1
+
+
+def test_a_huge_input_length_is_named_briefly(tmp_path: Path) -> None:
+    """Found by hypothesis in CI: a 200-digit ``input_length`` was printed whole in the error message."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 1' + "0" * 200 + ', "output_length": 10, "hash_ids": [1, 2]}\n')
+    with pytest.raises(TraceFormatError) as info:
+        load_trace(path)
+    message = str(info.value)
+    assert message.startswith(str(path)) and len(message) < 500 and "hash_ids" in message

@@ -56,6 +56,7 @@ __all__ = [
     "BlockStored",
     "EventBatch",
     "KVEvent",
+    "are_token_ids",
     "decode_batch",
     "encode_batch",
     "is_event_group",
@@ -174,7 +175,7 @@ def _is_count(value: object) -> bool:
 _INT_ONLY = frozenset((int,))
 
 
-def _are_tokens(values: Sequence[object]) -> bool:
+def are_token_ids(values: Sequence[object]) -> bool:
     """Whether every value is an int (not a bool) in ``[0, 2**32)``: a test in C, not a Python loop per token."""
     if not values or (type(values) is array and values.typecode == "I"):  # u32 by construction
         return True
@@ -218,7 +219,7 @@ def _is_positive(value: object) -> bool:
 
 def _check_stored_fields(event: BlockStored) -> str | None:
     """What is wrong with a ``BlockStored``'s optional fields (None: nothing)."""
-    if event.token_ids is not None and not _are_tokens(event.token_ids):
+    if event.token_ids is not None and not are_token_ids(event.token_ids):
         return f"token ids must be ints in [0, 2**32), got {brief(event.token_ids)}"
     if event.block_size is not None and not _is_positive(event.block_size):
         return f"block_size must be an int in 1..{MAX_INT}, got {brief(event.block_size)}"

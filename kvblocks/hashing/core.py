@@ -737,8 +737,14 @@ def vllm_int_hash(h: BlockHash) -> int:
     >>> vllm_int_hash(vllm_int_hash(bytes(range(16))))
     579005069656919567
     """
+    return digest_u64(h, first=False)
+
+
+def digest_u64(h: BlockHash, *, first: bool) -> int:
+    """8 bytes of a digest as an unsigned big-endian int: its ``first`` 8, else its last 8 -- the 64-bit form
+    engines put in their events (vLLM: the last, SGLang: the first). An int stays itself, masked to 64 bits."""
     if type(h) is bytes and h:
-        return int.from_bytes(h[-8:], "big")
+        return int.from_bytes(h[:8] if first else h[-8:], "big")
     if type(h) is int and h >= 0:
         return h & _U64
     raise InvalidBlockHashError(f"cannot convert block hash {brief(h)}: not an int >= 0 or non-empty bytes")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 
 from kvblocks.errors import ConfigError, InvalidBlockHashError
-from kvblocks.hashing.core import BlockExtras, BlockHash, HashScheme, Namespace, _Framer
+from kvblocks.hashing.core import BlockExtras, BlockHash, HashScheme, Namespace, _Framer, digest_u64
 
 __all__ = ["SGLANG_SCHEMES", "SglangScheme", "sglang_int_hash"]
 
@@ -69,11 +69,7 @@ def sglang_int_hash(h: BlockHash) -> int:
     >>> sglang_int_hash(bytes(range(32))) == int.from_bytes(bytes(range(8)), "big")
     True
     """
-    if type(h) is bytes and h:
-        return int.from_bytes(h[:8], "big")
-    if type(h) is int and h >= 0:
-        return h & 0xFFFF_FFFF_FFFF_FFFF
-    raise InvalidBlockHashError(f"cannot convert block hash {h!r}: not an int >= 0 or non-empty bytes")
+    return digest_u64(h, first=True)
 
 
 SGLANG_SCHEMES: dict[str, HashScheme] = {"sglang-sha256": SglangScheme()}

@@ -45,13 +45,22 @@ module), which bound every value (token ids below ``2**32``, sizes and ranks in 
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvblocks.errors import ConfigError, EventDecodeError, InvalidArgumentError, InvalidTokenError
-from kvblocks.event_codec import EVENT_GROUP_KINDS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
-from kvblocks.hashing import TOKEN_LIMIT, BlockHash, vllm_int_hash
+from kvblocks.event_codec import (
+    EVENT_GROUP_KINDS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    are_token_ids,
+)
+from kvblocks.hashing import BlockHash, vllm_int_hash
 from kvblocks.strict_json import MAX_INT, brief
 
 __all__ = [
@@ -319,10 +328,9 @@ def _medium(tier: str, dialect: Dialect) -> str:
 def _check_tokens(tokens: Sequence[int] | None) -> list[int]:
     if not tokens:
         return []
-    out = list(tokens)
-    if not all(type(t) is int for t in out) or min(out) < 0 or max(out) >= TOKEN_LIMIT:
+    if not are_token_ids(tokens):
         raise InvalidTokenError(f"cannot encode BlockStored: token ids must be ints in [0, 2**32), got {brief(tokens)}")
-    return out
+    return tokens.tolist() if type(tokens) is array else list(tokens)
 
 
 def _scored(event: KVEvent) -> bool:

@@ -637,19 +637,10 @@ class KVCacheManager:
         full = n // size
         if full > start and self._caching:
             tree = self._tree
-            if tree._events is None:
-                existing = tree.insert(s.content.hashes, s.table, start, full)  # type: ignore[arg-type]
-            else:  # the event names the blocks' tokens and adapter (package-private: the tokens are not copied)
-                content = s.content
-                tokens = content._tokens if isinstance(content, HashedTokens) else None
-                existing = tree.insert(
-                    content.hashes,
-                    s.table,  # type: ignore[arg-type]
-                    start,
-                    full,
-                    tokens=tokens,
-                    lora_name=s.lora_name,
-                )
+            content = s.content
+            # the tree's events name the blocks' tokens (package-private: they are sliced, never copied whole)
+            tokens = content._tokens if tree._events is not None and isinstance(content, HashedTokens) else None
+            existing = tree.insert(content.hashes, s.table, start, full, tokens=tokens, lora_name=s.lora_name)  # type: ignore[arg-type]
             if existing:
                 self._pin_duplicates(s, start, existing)
         s.num_committed = n

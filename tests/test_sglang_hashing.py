@@ -52,6 +52,24 @@ def test_kvblocks_reproduces_the_hashes_sglang_published() -> None:
     assert [h & (2**64 - 1) for h in signed["A"]] == [sglang_int_hash(h) for h in ours["A"]]
 
 
+def test_a_kvblocks_node_publishes_in_sglangs_dialect_the_hashes_sglang_published() -> None:
+    """An SGLang-format consumer must read a kvblocks node's page as SGLang's own: the first 8 bytes, signed."""
+    pytest.importorskip("msgspec")
+    import msgspec
+
+    from kvblocks.event_codec import BlockStored, EventBatch
+    from kvblocks.interop.engine_wire import encode_engine_batch
+
+    tokens = STREAM["prompts"]["A"]
+    size = STREAM["block_size"]
+    ours = block_hashes(tokens, size, scheme="sglang-sha256")
+    event = BlockStored(tuple(ours), None, "device", tuple(tokens), block_size=size)
+    payload = encode_engine_batch(EventBatch("w", 0, 1.0, (event,)), "sglang", int_hashes=False)
+    _, events, _ = msgspec.msgpack.decode(payload)
+    stored = [e for e in events if e["type"] == "BlockStored"]
+    assert len(stored) == 1 and stored[0]["block_hashes"] == _published()[tuple(tokens)]
+
+
 def _restated(tokens: list[int], size: int) -> list[bytes]:
     out, prior = [], b""
     for k in range(len(tokens) // size):

@@ -60,7 +60,7 @@ from kvblocks.event_codec import (
     KVEvent,
     are_token_ids,
 )
-from kvblocks.hashing import BlockHash, vllm_int_hash
+from kvblocks.hashing import BlockHash, sglang_int_hash, vllm_int_hash
 from kvblocks.strict_json import MAX_INT, brief
 
 __all__ = [
@@ -314,8 +314,8 @@ def decode_engine_batch(data: bytes | bytearray | memoryview, dialect: Dialect =
 
 def _wire_hash(h: BlockHash, dialect: Dialect, int_hashes: bool) -> int | bytes:
     if dialect == "sglang":
-        value = vllm_int_hash(h)
-        return value - (1 << 64) if value >= 1 << 63 else value  # SGLang's hashes are signed int64
+        value = sglang_int_hash(h)  # SGLang's int form: the digest's FIRST 8 bytes, written signed
+        return value - (1 << 64) if value >= 1 << 63 else value
     if int_hashes or type(h) is int:
         return vllm_int_hash(h)
     return h

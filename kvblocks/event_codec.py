@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -56,7 +56,9 @@ __all__ = [
     "BlockStored",
     "EventBatch",
     "KVEvent",
+    "PendingEvent",
     "are_token_ids",
+    "build_pending",
     "decode_batch",
     "encode_batch",
     "is_event_group",
@@ -141,6 +143,55 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 """An event is a value: compared and hashed by its fields, shared by every subscriber, never modified
 (the classes are not frozen only because a frozen dataclass takes ~2 us to build, a plain one ~0.3 us,
 and a cache emits one per batch of blocks it stores or evicts)."""
+
+
+PendingEvent = tuple[Any, ...]
+"""An event a sink holds: ``(seq, timestamp, factory, *args)``, the event being ``factory(*args)`` -- built
+only when somebody reads it (:meth:`kvblocks.events.EventSink.record`); trailing :data:`NO_ARG` are not
+arguments -- or ``(seq, timestamp, None, event)`` for an event built already."""
+
+NO_ARG: Any = type("NoArg", (), {"__repr__": lambda self: "NO_ARG", "__slots__": ()})()
+"""The filler of a :data:`PendingEvent`'s unused argument places."""
+
+
+def pending_args(entry: PendingEvent) -> tuple[Any, ...]:
+    """The arguments of a pending entry's factory."""
+    end = len(entry)
+    while end > 3 and entry[end - 1] is NO_ARG:
+        end -= 1
+    return entry[3:end]
+
+
+def build_pending(entries: Iterable[PendingEvent]) -> Iterator[KVEvent]:
+    """The events of ``entries``, built one at a time as the iterator is read."""
+    for entry in entries:
+        factory = entry[2]
+        yield entry[3] if factory is None else factory(*pending_args(entry))
+
+
+def stored_event(
+    tier: str,
+    group: int | None,
+    group_kind: str | None,
+    block_size: int | None,
+    block_hashes: Iterable[BlockHash],
+    parent_hash: BlockHash | None,
+    token_ids: Sequence[int] | None,
+    lora_name: str | None,
+) -> BlockStored:
+    """A cache's ``BlockStored`` from its fixed tags and one commit's parts: the factory a cache records
+    (``functools.partial(stored_event, tier, group, group_kind, block_size)``), so that its hot path passes
+    four arguments and never builds the tuple of hashes."""
+    return BlockStored(
+        tuple(block_hashes), parent_hash, tier, token_ids, group, group_kind, block_size, None, lora_name
+    )
+
+
+def removed_event(
+    tier: str, group: int | None, group_kind: str | None, block_hashes: Iterable[BlockHash]
+) -> BlockRemoved:
+    """A cache's ``BlockRemoved`` from its fixed tags and the hashes removed (see :func:`stored_event`)."""
+    return BlockRemoved(tuple(block_hashes), tier, group, group_kind)
 
 
 EVENT_FORMAT_VERSION = 1

@@ -36,11 +36,12 @@ module and the transports; they are re-exported here.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvblocks.errors import ConfigError
 from kvblocks.event_codec import (
@@ -52,6 +53,10 @@ from kvblocks.event_codec import (
     BlockStored,
     EventBatch,
     KVEvent,
+    NO_ARG,
+    PendingEvent,
+    build_pending,
+    pending_args,
     decode_batch,
     encode_batch,
 )
@@ -104,6 +109,12 @@ class EventSink:
     subscription order. A subscriber that raises is logged and counted in
     ``subscriber_errors``; the exception never reaches the cache operation that
     emitted the event, which has already changed the cache.
+
+    A cache on its hot path calls :meth:`record` instead of :meth:`emit`: the event's
+    class and arguments are buffered and the event is built only when somebody reads
+    it -- at once for subscribers, at :meth:`drain`, or on a background transport's own
+    thread (:meth:`EventPublisher.publish`). Numbers and timestamps are taken when the
+    event is recorded either way.
     """
 
     __slots__ = ("_buffer", "_clock", "_next_seq", "_subscribers", "subscriber_errors")
@@ -112,7 +123,8 @@ class EventSink:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ConfigError(f"event buffer capacity must be an int >= 0, got {capacity!r}")
         self._next_seq = 0
-        self._buffer: deque[EventRecord] = deque(maxlen=capacity)
+        # (number, timestamp, factory, args) per event, oldest first; args is the event when factory is None
+        self._buffer: deque[PendingEvent] = deque(maxlen=capacity)
         self._subscribers: list[Callable[[EventRecord], None]] = []
         self._clock = clock
         self.subscriber_errors = 0
@@ -133,9 +145,11 @@ class EventSink:
         return unsubscribe
 
     def emit(self, event: KVEvent) -> EventRecord:
-        record = EventRecord(self._next_seq, self._clock(), event)
-        self._next_seq += 1
-        self._buffer.append(record)
+        """Number ``event``, buffer it and hand it to every subscriber; return its record."""
+        seq = self._next_seq
+        record = EventRecord(seq, self._clock(), event)
+        self._next_seq = seq + 1
+        self._buffer.append((seq, record.timestamp, None, event))
         for callback in self._subscribers:
             try:
                 callback(record)
@@ -144,11 +158,33 @@ class EventSink:
                 _log.exception("KV event subscriber %r failed on event %d", callback, record.seq)
         return record
 
+    def record(
+        self, factory: Callable[..., KVEvent], a: object, b: object = NO_ARG, c: object = NO_ARG, d: object = NO_ARG
+    ) -> None:
+        """Emit ``factory(a, b, c, d)``, built only when read (see the class docstring); arguments left out
+        are not passed. They must not change later. At most four, held in the entry itself: one object
+        per event for the garbage collector to count, where ``*args`` would make two."""
+        if self._subscribers:
+            self.emit(factory(*pending_args((0, 0.0, factory, a, b, c, d))))
+            return
+        seq = self._next_seq
+        self._buffer.append((seq, self._clock(), factory, a, b, c, d))
+        self._next_seq = seq + 1
+
     def drain(self) -> list[EventRecord]:
         """Return and forget the buffered records, oldest first."""
-        out = list(self._buffer)
-        self._buffer.clear()
-        return out
+        entries = self._take()
+        return [EventRecord(e[0], e[1], event) for e, event in zip(entries, build_pending(entries))]
+
+    def _take(self) -> list[PendingEvent]:
+        """Remove and return the buffered entries, unbuilt, oldest first.
+
+        One event at a time (``popleft``): a thread draining the sink never loses an event the cache's
+        thread records meanwhile, which a copy-then-clear could.
+        """
+        buffer = self._buffer
+        popleft = buffer.popleft
+        return [popleft() for _ in range(len(buffer))]
 
 
 # ---------------------------------------------------------------------- publisher
@@ -157,15 +193,25 @@ class EventSink:
 class EventPublisher:
     """Sends a sink's records as numbered batches of one producer through a transport.
 
-    Call :meth:`publish` from the thread that drives the cache (for example once per
-    engine step); it drains ``sink`` -- the publisher must be its only drainer -- and
-    sends the records in batches of at most ``max_batch`` events, numbered 0, 1, 2, ...
+    Two ways to drive it:
 
-    Nothing is hidden from consumers: when the sink buffer overflowed (drained record
-    numbers do not continue the previous drain), the publisher skips one batch number,
-    so consumers see a gap and ask for a resync; a batch a transport failed to deliver
-    leaves a gap the same way. :meth:`publish_snapshot` answers a resync: the
-    producer's whole cache in one batch (not split by ``max_batch``).
+    * Call :meth:`publish` from the thread that drives the cache (for example once per engine
+      step): it drains ``sink`` and sends the records in batches of at most ``max_batch`` events.
+    * Or call :meth:`start` once: a background thread publishes every ``interval_s``, and the cache's
+      thread pays only for recording its events (:meth:`EventSink.record`) -- the events are built,
+      batched and handed to the transport off it. Batches then hold what accumulated in an interval
+      rather than one engine step; consumers see the same events in the same order. :meth:`stop`
+      publishes what is left and ends the thread.
+
+    The publisher must be its sink's only drainer. :meth:`publish` and :meth:`publish_snapshot` may be
+    called from any thread; a lock keeps one at a time (the cache's thread may call them while a
+    background thread runs, and waits for a send in progress).
+
+    Batches are numbered 0, 1, 2, ... Nothing is hidden from consumers: when the sink buffer
+    overflowed (drained record numbers do not continue the previous drain), the publisher skips one
+    batch number, so consumers see a gap and ask for a resync; a batch a transport failed to deliver
+    leaves a gap the same way. :meth:`publish_snapshot` answers a resync: the producer's whole cache
+    in one batch (not split by ``max_batch``).
 
     A transport that has a ``send_batch(batch)`` method gets the :class:`EventBatch` itself instead of
     :func:`encode_batch` bytes: it writes its own wire format (:mod:`kvblocks.interop`) and numbers its
@@ -178,10 +224,13 @@ class EventPublisher:
 
     __slots__ = (
         "_expected_record",
+        "_halt",
+        "_lock",
         "_seq",
         "_sink",
         "_snapshot",
         "batches_sent",
+        "errors",
         "events_sent",
         "max_batch",
         "producer",
@@ -213,13 +262,17 @@ class EventPublisher:
         self._seq = 0
         # The record number the next drain should start with: records lost before then are no gap of ours.
         buffered = sink._buffer
-        self._expected_record = buffered[0].seq if buffered else sink.next_seq
+        self._expected_record = buffered[0][0] if buffered else sink.next_seq
+        self._lock = threading.Lock()
+        self._halt: Callable[[], None] | None = None  # ends background publishing (start)
         self.batches_sent = 0
         """Batches handed to the transport (snapshots included)."""
         self.events_sent = 0
         self.snapshots_sent = 0
         self.records_lost = 0
         """Records the sink dropped before this publisher could drain them (each loss also skips a batch number)."""
+        self.errors = 0
+        """Rounds of the background thread that raised (logged; the batch is a gap downstream)."""
 
     @property
     def next_seq(self) -> int:
@@ -229,57 +282,131 @@ class EventPublisher:
     def _send(self, events: tuple[KVEvent, ...], timestamp: float, snapshot: bool) -> None:
         batch = EventBatch(self.producer, self._seq, timestamp, events, snapshot)
         send_batch = getattr(self.transport, "send_batch", None)
-        data = encode_batch(batch) if send_batch is None else b""
+        if send_batch is not None:  # a transport with a wire format of its own (vLLM's msgpack over ZMQ)
+            self._deliver(len(events), send_batch, batch)
+        else:
+            self._deliver(len(events), self.transport.send, encode_batch(batch))
+
+    def _deliver(self, count: int, send: Callable[..., object], *payload: object) -> None:
         self._seq += 1  # taken even if sending fails: an undelivered batch is a gap downstream
         try:
-            if send_batch is not None:
-                send_batch(batch)  # a transport with a wire format of its own (vLLM's msgpack over ZMQ)
-            else:
-                self.transport.send(data)
+            send(*payload)
         except BaseException:
             self._seq += 1  # the transport may have delivered it and lost what follows: force a gap
             raise
         self.batches_sent += 1
-        self.events_sent += len(events)
+        self.events_sent += count
 
     def publish(self) -> int:
-        """Drain the sink and send its records; return the number of batches sent."""
-        records = self._sink.drain()
-        if not records:
-            return 0
-        first = records[0].seq
-        if first != self._expected_record:
-            self.records_lost += max(0, first - self._expected_record)
-            self._seq += 1  # the lost records: consumers see a gap and ask for a resync
-            _log.warning(
-                "KV event publisher %r: records %d..%d were dropped by the sink; consumers will see a gap",
-                self.producer,
-                self._expected_record,
-                first - 1,
-            )
-        self._expected_record = records[-1].seq + 1
-        sent = 0
-        size = self.max_batch
-        for k in range(0, len(records), size):
-            chunk = records[k : k + size]
-            self._send(tuple(r.event for r in chunk), chunk[-1].timestamp, False)
-            sent += 1
-        return sent
+        """Drain the sink and send its records; return the number of batches sent.
+
+        A transport with a ``send_pending(producer, seq, timestamp, entries)`` method gets each batch's
+        events unbuilt (:data:`~kvblocks.event_codec.PendingEvent` entries) and builds them one at a time
+        as it encodes them (:func:`~kvblocks.event_codec.build_pending`), so they never all live at once.
+        """
+        with self._lock:
+            entries = self._sink._take()
+            if not entries:
+                return 0
+            first = entries[0][0]
+            if first != self._expected_record:
+                self.records_lost += max(0, first - self._expected_record)
+                self._seq += 1  # the lost records: consumers see a gap and ask for a resync
+                _log.warning(
+                    "KV event publisher %r: records %d..%d were dropped by the sink; consumers will see a gap",
+                    self.producer,
+                    self._expected_record,
+                    first - 1,
+                )
+            self._expected_record = entries[-1][0] + 1
+            send_pending = getattr(self.transport, "send_pending", None)
+            sent = 0
+            size = self.max_batch
+            for k in range(0, len(entries), size):
+                chunk = entries[k : k + size]
+                if send_pending is not None:
+                    self._deliver(len(chunk), send_pending, self.producer, self._seq, chunk[-1][1], chunk)
+                else:
+                    self._send(tuple(build_pending(chunk)), chunk[-1][1], False)
+                sent += 1
+            return sent
 
     def publish_snapshot(self) -> None:
         """Send the producer's whole cache as a snapshot batch (the next number).
 
-        Records still buffered in the sink are discarded: the snapshot already
-        reflects them, and replaying them after it would apply them twice.
+        Call it from the thread that drives the cache (the snapshot reads it). Records still buffered
+        in the sink are discarded: the snapshot already reflects them, and replaying them after it
+        would apply them twice.
         """
         if self._snapshot is None:
             raise ConfigError(f"publisher {self.producer!r} has no snapshot callable")
-        sink = self._sink
-        sink.drain()
-        events = tuple(self._snapshot())
-        self._expected_record = sink.next_seq
-        self._send(events, sink._clock(), True)
-        self.snapshots_sent += 1
+        with self._lock:
+            sink = self._sink
+            sink._take()
+            events = tuple(self._snapshot())
+            self._expected_record = sink.next_seq
+            self._send(events, sink._clock(), True)
+            self.snapshots_sent += 1
+
+    # -- the background thread
+
+    def start(self, interval_s: float = 0.005) -> None:
+        """Publish every ``interval_s`` seconds from a background thread until :meth:`stop`.
+
+        A transport with a thread of its own that offers ``run_periodically(round, interval_s)`` (the ZMQ
+        publisher) runs the rounds on that thread; otherwise the publisher starts one. Every thread that
+        wakes takes the GIL from the engine's thread for a while, so one is better than two. A round
+        never raises: one whose transport raised is logged and counted in :attr:`errors`, and the batch
+        it lost is a gap downstream, as with :meth:`publish`.
+        """
+        if isinstance(interval_s, bool) or not isinstance(interval_s, int | float) or not 0 < interval_s <= 60:
+            raise ConfigError(f"interval_s must be a number in (0, 60], got {interval_s!r}")
+        if self._halt is not None:
+            raise ConfigError(f"publisher {self.producer!r} is already publishing in the background")
+        run_periodically = getattr(self.transport, "run_periodically", None)
+        if run_periodically is not None:
+            self._halt = run_periodically(self._round, float(interval_s))
+            return
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=self._run, args=(stop, float(interval_s)), name=f"kvblocks-events-{self.producer}", daemon=True
+        )
+
+        def halt() -> None:
+            stop.set()
+            thread.join()
+
+        thread.start()
+        self._halt = halt
+
+    def stop(self) -> None:
+        """End background publishing (if started), then publish what is left on the calling thread."""
+        halt, self._halt = self._halt, None
+        if halt is not None:
+            halt()
+            self.publish()
+
+    @property
+    def running(self) -> bool:
+        """Whether :meth:`start` is in effect."""
+        return self._halt is not None
+
+    def __enter__(self) -> EventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _round(self) -> None:
+        try:
+            self.publish()
+        except Exception:
+            self.errors += 1
+            _log.exception("KV event publisher %r: a background round failed", self.producer)
+
+    def _run(self, stop: threading.Event, interval_s: float) -> None:
+        while not stop.wait(interval_s):
+            self._round()
 
 
 # ---------------------------------------------------------------------- consumer

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import islice
 
 from kvblocks.errors import (
@@ -36,8 +37,8 @@ from kvblocks.errors import (
     InvalidBlockIdError,
     SequenceStateError,
 )
-from kvblocks.event_codec import EVENT_GROUP_KINDS, is_group_tag
-from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink
+from kvblocks.event_codec import EVENT_GROUP_KINDS, is_group_tag, removed_event, stored_event
+from kvblocks.events import AllBlocksCleared, BlockStored, EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
 
@@ -77,7 +78,9 @@ class PrefixTree:
         "_hash_of",
         "_num_children",
         "_parent_of",
+        "_removed",
         "_root",
+        "_stored",
         "block_size",
         "group",
         "group_kind",
@@ -120,6 +123,9 @@ class PrefixTree:
         self._parent_of: list[int] = [self._root] * pool.num_blocks
         self._num_children: list[int] = [0] * (pool.num_blocks + 1)
         self._events = events
+        # what its events are built with, off the hot path (EventSink.record)
+        self._stored = partial(stored_event, tier, group, group_kind, block_size)
+        self._removed = partial(removed_event, tier, group, group_kind)
         self.num_evicted = 0
         """Blocks evicted since construction (a counter, never reset)."""
 
@@ -294,19 +300,7 @@ class PrefixTree:
             size = self.block_size
             # a slice of the caller's array('I') is a memcpy: no int object per token (see BlockStored)
             token_ids = None if tokens is None or size is None else tokens[first_new * size : stop * size]
-            self._events.emit(
-                BlockStored(
-                    tuple(hashes[first_new:stop]),
-                    parent_hash,
-                    self.tier,
-                    token_ids,
-                    self.group,
-                    self.group_kind,
-                    size,
-                    None,
-                    lora_name,
-                )
-            )
+            self._events.record(self._stored, hashes[first_new:stop], parent_hash, token_ids, lora_name)
         return existing
 
     def _unlink(self, hashes: Sequence[BlockHash], blocks: Sequence[int], first: int, stop: int) -> None:
@@ -375,8 +369,9 @@ class PrefixTree:
                     break
         self.num_evicted += len(evicted)
         if evicted and self._events is not None:
-            removed_now = tuple(removed[-len(evicted) :])  # type: ignore[index]
-            self._events.emit(BlockRemoved(removed_now, self.tier, self.group, self.group_kind))
+            # our own list when the caller gave none (nobody changes it later), else the batch's part of theirs
+            mine = removed if removed_hashes is None else removed[-len(evicted) :]  # type: ignore[index]
+            self._events.record(self._removed, mine)
         return evicted
 
     def _oldest_idle_leaf(self) -> int:

@@ -44,11 +44,13 @@ module), which bound every value (token ids below ``2**32``, sizes and ranks in 
 
 from __future__ import annotations
 
+import itertools
 import math
+import struct
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from kvblocks.errors import ConfigError, EventDecodeError, InvalidArgumentError, InvalidTokenError
 from kvblocks.event_codec import (
@@ -73,6 +75,7 @@ __all__ = [
     "EngineEventDecoder",
     "decode_engine_batch",
     "encode_engine_batch",
+    "encode_engine_events",
     "require_msgspec",
 ]
 
@@ -321,6 +324,28 @@ def _wire_hash(h: BlockHash, dialect: Dialect, int_hashes: bool) -> int | bytes:
     return h
 
 
+def _wire_hashes(hashes: Sequence[BlockHash], dialect: Dialect, int_hashes: bool) -> list[int | bytes]:
+    """``[_wire_hash(h, ...) for h in hashes]``; digests of one width (a multiple of 8 bytes, the usual case)
+    are read in one ``struct.unpack`` of their concatenation, not one conversion per hash: a publisher thread
+    converts every hash it sends, and holds the GIL meanwhile."""
+    width = len(hashes[0]) if hashes and type(hashes[0]) is bytes else 0
+    if (
+        width % 8 == 0
+        and width
+        and (int_hashes or dialect == "sglang")
+        and set(map(type, hashes)) == {bytes}
+        and set(map(len, cast("Sequence[bytes]", hashes))) == {width}
+    ):
+        words = width // 8
+        # SGLang: the first 8 bytes, signed ("q"); vLLM: the last 8, unsigned ("Q")
+        signed = dialect == "sglang"
+        values = struct.unpack(
+            f">{len(hashes) * words}{'q' if signed else 'Q'}", b"".join(cast("Sequence[bytes]", hashes))
+        )
+        return list(values[0::words] if signed else values[words - 1 :: words])
+    return [_wire_hash(h, dialect, int_hashes) for h in hashes]
+
+
 def _medium(tier: str, dialect: Dialect) -> str:
     return _TIER_TO_MEDIUM[dialect].get(tier, tier)
 
@@ -339,41 +364,94 @@ def _scored(event: KVEvent) -> bool:
     return kind == "full" or (kind is None and event.group in (None, 0))
 
 
-def _encode_events(events: Iterable[KVEvent], dialect: Dialect, int_hashes: bool, structs: Any) -> list[Any]:
+def _engine_events(events: Iterable[KVEvent], dialect: Dialect, int_hashes: bool, structs: Any) -> Iterator[Any]:
+    """The engine structs of ``events``, one at a time (a run of clears is one engine clear)."""
     stored_cls, removed_cls, cleared_cls, _ = structs
-    out: list[Any] = []
+    cleared = False  # the previous struct written was a clear
     for event in events:
         if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
             raise InvalidArgumentError(f"not a KV event: {event!r}")
         if isinstance(event, AllBlocksCleared):
-            if not (out and isinstance(out[-1], cleared_cls)):  # one engine clear clears every tier
-                out.append(cleared_cls())
+            if not cleared:  # one engine clear clears every tier
+                cleared = True
+                yield cleared_cls()
             continue
         if dialect == "sglang" and not _scored(event):
             continue
-        hashes = [_wire_hash(h, dialect, int_hashes) for h in event.block_hashes]
+        cleared = False
+        hashes = _wire_hashes(event.block_hashes, dialect, int_hashes)
         medium = _medium(event.tier, dialect)
         if isinstance(event, BlockRemoved):
-            extra = {} if dialect == "sglang" else {"group_idx": event.group}
-            out.append(removed_cls(hashes, medium, **extra))
+            if dialect == "sglang":
+                yield removed_cls(hashes, medium)
+            else:
+                yield removed_cls(hashes, medium, group_idx=event.group)
             continue
         parent = None if event.parent_hash is None else _wire_hash(event.parent_hash, dialect, int_hashes)
         tokens = _check_tokens(event.token_ids)
         args = (hashes, parent, tokens, event.block_size or 0, event.lora_id)
-        named: dict[str, Any] = {"medium": medium, "lora_name": event.lora_name}
         if dialect == "vllm":
-            named["group_idx"] = event.group
-            named["kv_cache_spec_kind"] = (
-                None if event.group_kind is None else _GROUP_KIND_TO_SPEC_KIND.get(event.group_kind)
+            kind = None if event.group_kind is None else _GROUP_KIND_TO_SPEC_KIND.get(event.group_kind)
+            yield stored_cls(
+                *args, medium=medium, lora_name=event.lora_name, group_idx=event.group, kv_cache_spec_kind=kind
             )
-        out.append(stored_cls(*args, **named))
-    return out
+        else:
+            yield stored_cls(*args, medium=medium, lora_name=event.lora_name)
 
 
 _OUT = {
     "vllm": lambda w: (w.VllmStored, w.VllmRemoved, w.Cleared, w.VllmBatch),
     "sglang": lambda w: (w.SglangStored, w.SglangRemoved, w.Cleared, w.SglangBatch),
 }
+
+
+def _array_header(count: int) -> bytes:
+    """A msgpack array header, in the smallest form (as msgspec writes it)."""
+    if count < 16:
+        return bytes((0x90 | count,))
+    if count < 1 << 16:
+        return b"\xdc" + count.to_bytes(2, "big")
+    return b"\xdd" + count.to_bytes(4, "big")
+
+
+def encode_engine_events(
+    events: Iterable[KVEvent],
+    timestamp: float,
+    dialect: Dialect = "vllm",
+    *,
+    int_hashes: bool = True,
+    dp_rank: int | None = None,
+    snapshot: bool = False,
+) -> bytes:
+    """:func:`encode_engine_batch` of the batch ``(timestamp, events)``, written one event at a time.
+
+    Each event is encoded as soon as it is read from ``events`` and nothing of it is kept but its bytes,
+    so a generator of events (:func:`kvblocks.event_codec.build_pending`) never has more than one built
+    event, and one event's msgpack structs, alive: a publisher thread then leaves the garbage collector
+    nothing to chase. The bytes are those msgspec writes for the whole batch at once (tests compare them).
+    """
+    dialect = _check_dialect(dialect)
+    ts = timestamp
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+        raise InvalidArgumentError(f"cannot encode batch: timestamp must be a finite number, got {ts!r}")
+    if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank <= MAX_INT):
+        raise InvalidArgumentError(f"dp_rank must be None or an int in 0..{MAX_INT}, got {dp_rank!r}")
+    wire = _wire()
+    structs = _OUT[dialect](wire)
+    encoder = wire.encoder
+    if snapshot:
+        events = itertools.chain((AllBlocksCleared("device"),), events)
+    body = bytearray()
+    count = 0
+    try:
+        for struct in _engine_events(events, dialect, int_hashes, structs):
+            encoder.encode_into(struct, body, -1)
+            count += 1
+        rank = b"" if dp_rank is None and dialect == "vllm" else encoder.encode(dp_rank)
+    except (TypeError, OverflowError) as error:  # an int field beyond 64 bits
+        raise InvalidArgumentError(f"cannot encode batch: {error}") from None
+    head = b"\x93" if rank else b"\x92"
+    return b"".join((head, encoder.encode(float(ts)), _array_header(count), body, rank))
 
 
 def encode_engine_batch(
@@ -388,25 +466,11 @@ def encode_engine_batch(
     ``batch.producer`` and ``batch.seq`` are not in the payload: the seq travels in its own ZMQ frame.
     Raises :class:`InvalidArgumentError` for a batch with no encoding (a bad hash, a non-finite time).
     """
-    dialect = _check_dialect(dialect)
     if not isinstance(batch, EventBatch):
         raise InvalidArgumentError(f"not an EventBatch: {type(batch).__name__}")
-    ts = batch.timestamp
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
-        raise InvalidArgumentError(f"cannot encode batch: timestamp must be a finite number, got {ts!r}")
-    if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank <= MAX_INT):
-        raise InvalidArgumentError(f"dp_rank must be None or an int in 0..{MAX_INT}, got {dp_rank!r}")
-    wire = _wire()
-    structs = _OUT[dialect](wire)
-    events = tuple(batch.events)
-    if batch.snapshot:
-        events = (AllBlocksCleared("device"), *events)
-    body = _encode_events(events, dialect, int_hashes, structs)
-    try:
-        payload: bytes = wire.encoder.encode(structs[3](float(ts), body, dp_rank))
-    except (TypeError, OverflowError) as error:  # an int field beyond 64 bits
-        raise InvalidArgumentError(f"cannot encode batch {batch.seq} of {batch.producer!r}: {error}") from None
-    return payload
+    return encode_engine_events(
+        batch.events, batch.timestamp, dialect, int_hashes=int_hashes, dp_rank=dp_rank, snapshot=batch.snapshot
+    )
 
 
 def _check_kinds() -> None:  # pragma: no cover - a mismatch is a programming error caught at import

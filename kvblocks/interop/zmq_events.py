@@ -46,17 +46,17 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvblocks.errors import ConfigError, EventDecodeError, InvalidArgumentError
-from kvblocks.event_codec import EventBatch, decode_batch
+from kvblocks.event_codec import EventBatch, KVEvent, PendingEvent, build_pending, decode_batch
 from kvblocks.event_transport import BatchConsumer
 from kvblocks.interop.engine_wire import (
     Dialect,
     EngineEventDecoder,
     _check_dialect,
-    encode_engine_batch,
+    encode_engine_events,
     require_msgspec,
 )
 
@@ -151,7 +151,9 @@ class ZmqEventPublisher:
         self.replay_endpoint: str | None = (
             None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         )
-        self._queue: deque[EventBatch] = deque()
+        self._queue: deque[EventBatch | tuple[int, float, list[PendingEvent]]] = deque()
+        self._rounds: list[Callable[[], object]] = []  # run_periodically's callables
+        self._wait_s = _IDLE_WAIT_S
         self._ready = threading.Condition()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
         self._closed = False
@@ -186,6 +188,35 @@ class ZmqEventPublisher:
             self.dropped += 1
             return
         self._queue.append(batch)
+
+    def send_pending(self, producer: str, seq: int, timestamp: float, entries: list[PendingEvent]) -> None:
+        """:meth:`send_batch` of events not built yet (:meth:`kvblocks.events.EventPublisher.publish`): the
+        publisher thread builds and encodes them one at a time."""
+        if self._closed or len(self._queue) >= self.max_queue:
+            self.dropped += 1
+            return
+        self._queue.append((seq, timestamp, entries))
+
+    def run_periodically(self, round_fn: Callable[[], object], interval_s: float) -> Callable[[], None]:
+        """Call ``round_fn`` on the publisher thread every ``interval_s`` (at most), before it sends what is
+        queued; return a function that stops the calls (after it returns, ``round_fn`` is not running and
+        will not run again). :meth:`kvblocks.events.EventPublisher.start` uses it, so that publishing in the
+        background takes this one thread, not two: each thread that wakes takes the GIL from the engine."""
+        with self._ready:
+            if self._closed:
+                raise ConfigError("the ZMQ event publisher is closed")
+            self._rounds.append(round_fn)
+            self._wait_s = min(self._wait_s, float(interval_s))
+            self._ready.notify_all()
+
+        def stop() -> None:
+            with self._ready:
+                if round_fn in self._rounds:
+                    self._rounds.remove(round_fn)
+                while self._in_round is round_fn and threading.current_thread() is not self._thread:
+                    self._ready.wait(_IDLE_WAIT_S)
+
+        return stop
 
     def send(self, data: bytes) -> None:
         """A kvblocks JSON payload (:func:`~kvblocks.event_codec.encode_batch`): re-sent in the engine wire."""
@@ -229,6 +260,7 @@ class ZmqEventPublisher:
     # -- the background thread: owns both sockets
 
     _busy = False
+    _in_round: Callable[[], object] | None = None
 
     def _run(self) -> None:
         queue = self._queue
@@ -236,9 +268,25 @@ class ZmqEventPublisher:
             while True:
                 with self._ready:
                     if not queue and not self._closed:
-                        self._ready.wait(_IDLE_WAIT_S)
+                        self._ready.wait(self._wait_s)
                     if self._closed and not queue:
                         break
+                    rounds = list(self._rounds)
+                for round_fn in rounds:
+                    with self._ready:
+                        if round_fn not in self._rounds:
+                            continue  # stopped meanwhile
+                        self._in_round = round_fn
+                    try:
+                        round_fn()
+                    except Exception:
+                        self.errors += 1
+                        _log.exception("ZMQ KV event publisher: a periodic round failed")
+                    finally:
+                        with self._ready:
+                            self._in_round = None
+                            self._ready.notify_all()
+                with self._ready:
                     self._busy = bool(queue)
                 while queue:  # popleft, not list + clear: the engine thread appends without the lock
                     self._publish(queue.popleft())
@@ -251,15 +299,24 @@ class ZmqEventPublisher:
             if self._replay is not None:
                 self._replay.close(linger=0)
 
-    def _publish(self, batch: EventBatch) -> None:
+    def _publish(self, item: EventBatch | tuple[int, float, list[PendingEvent]]) -> None:
+        if isinstance(item, EventBatch):
+            seq, ts, snapshot = item.seq, item.timestamp, item.snapshot
+            events: Iterable[KVEvent] = item.events
+        else:  # from send_pending
+            seq, ts, entries = item
+            events = build_pending(entries)
+            snapshot = False
         try:
-            payload = encode_engine_batch(batch, self.dialect, int_hashes=self.int_hashes, dp_rank=self.dp_rank)
-            self._pub.send_multipart((self._topic, _seq_bytes(batch.seq), payload), copy=False)
+            payload = encode_engine_events(
+                events, ts, self.dialect, int_hashes=self.int_hashes, dp_rank=self.dp_rank, snapshot=snapshot
+            )
+            self._pub.send_multipart((self._topic, _seq_bytes(seq), payload))
         except Exception:
             self.errors += 1
-            _log.exception("ZMQ KV event publisher: batch %d was not sent", batch.seq)
+            _log.exception("ZMQ KV event publisher: batch %d was not sent", seq)
             return
-        self._buffer.append((batch.seq, payload))
+        self._buffer.append((seq, payload))
         self.sent += 1
 
     def _serve_replays(self) -> None:

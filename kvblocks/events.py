@@ -41,24 +41,24 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvblocks.errors import ConfigError
 from kvblocks.event_codec import (
     EVENT_FORMAT_VERSION,
     EVENT_GROUP_KINDS,
     MAX_BATCH_SEQ,
+    NO_ARG,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     KVEvent,
-    NO_ARG,
     PendingEvent,
     build_pending,
-    pending_args,
     decode_batch,
     encode_batch,
+    pending_args,
 )
 
 if TYPE_CHECKING:  # the transport layer is below this one (and never imports it)

@@ -48,7 +48,7 @@ import itertools
 import math
 import struct
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -350,53 +350,82 @@ def _medium(tier: str, dialect: Dialect) -> str:
     return _TIER_TO_MEDIUM[dialect].get(tier, tier)
 
 
-def _check_tokens(tokens: Sequence[int] | None) -> list[int]:
-    if not tokens:
-        return []
-    if not are_token_ids(tokens):
-        raise InvalidTokenError(f"cannot encode BlockStored: token ids must be ints in [0, 2**32), got {brief(tokens)}")
-    return tokens.tolist() if type(tokens) is array else list(tokens)
-
-
 def _scored(event: KVEvent) -> bool:
     """Whether a router scores ``event`` (the only events SGLang's group-less dialect can carry)."""
     kind = event.group_kind
     return kind == "full" or (kind is None and event.group in (None, 0))
 
 
-def _engine_events(events: Iterable[KVEvent], dialect: Dialect, int_hashes: bool, structs: Any) -> Iterator[Any]:
-    """The engine structs of ``events``, one at a time (a run of clears is one engine clear)."""
-    stored_cls, removed_cls, cleared_cls, _ = structs
-    cleared = False  # the previous struct written was a clear
+def _token_lists(tokens: array[int], counts: list[int]) -> list[list[int]]:
+    """``tokens`` cut into lists of ``counts`` ids each (one ``tolist`` for the batch)."""
+    flat = tokens.tolist()
+    out: list[list[int]] = []
+    at = 0
+    for n in counts:
+        out.append(flat[at : at + n])
+        at += n
+    return out
+
+
+def _gather(
+    events: Iterable[KVEvent], dialect: Dialect
+) -> tuple[list[BlockStored | BlockRemoved | None], list[BlockHash], array[int], list[int]]:
+    """Check ``events`` and keep those the dialect writes (None: an engine clear; a run of clears is one),
+    with every hash of them (parents after their blocks), every token id, and the ids of each stored event."""
+    kept: list[BlockStored | BlockRemoved | None] = []
+    hashes: list[BlockHash] = []
+    tokens: array[int] = array("I")
+    counts: list[int] = []
     for event in events:
         if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
             raise InvalidArgumentError(f"not a KV event: {event!r}")
         if isinstance(event, AllBlocksCleared):
-            if not cleared:  # one engine clear clears every tier
-                cleared = True
-                yield cleared_cls()
+            if not kept or kept[-1] is not None:  # one engine clear clears every tier
+                kept.append(None)
             continue
         if dialect == "sglang" and not _scored(event):
             continue
-        cleared = False
-        hashes = _wire_hashes(event.block_hashes, dialect, int_hashes)
+        kept.append(event)
+        hashes.extend(event.block_hashes)
+        if isinstance(event, BlockStored):
+            if event.parent_hash is not None:
+                hashes.append(event.parent_hash)
+            ids = event.token_ids or ()
+            if not (type(ids) is array and ids.typecode == "I") and not are_token_ids(ids):
+                raise InvalidTokenError(
+                    f"cannot encode BlockStored: token ids must be ints in [0, 2**32), got {brief(ids)}"
+                )
+            tokens.extend(ids)
+            counts.append(len(ids))
+    return kept, hashes, tokens, counts
+
+
+def _engine_events(events: Iterable[KVEvent], dialect: Dialect, int_hashes: bool, wire: Any) -> list[Any]:
+    """The engine structs of ``events``, in order: every hash and token id of the batch is converted at once
+    (:func:`_wire_hashes`, :func:`_token_lists`), then the structs take their share."""
+    stored_cls, removed_cls, cleared_cls, _ = _OUT[dialect](wire)
+    kept, hashes, tokens, counts = _gather(events, dialect)
+    values = iter(_wire_hashes(hashes, dialect, int_hashes))
+    token_lists = iter(_token_lists(tokens, counts))
+    out: list[Any] = []
+    for event in kept:
+        if event is None:
+            out.append(cleared_cls())
+            continue
+        wire_hashes = list(itertools.islice(values, len(event.block_hashes)))
         medium = _medium(event.tier, dialect)
         if isinstance(event, BlockRemoved):
-            if dialect == "sglang":
-                yield removed_cls(hashes, medium)
-            else:
-                yield removed_cls(hashes, medium, group_idx=event.group)
+            group = () if dialect == "sglang" else (event.group,)
+            out.append(removed_cls(wire_hashes, medium, *group))
             continue
-        parent = None if event.parent_hash is None else _wire_hash(event.parent_hash, dialect, int_hashes)
-        tokens = _check_tokens(event.token_ids)
-        args = (hashes, parent, tokens, event.block_size or 0, event.lora_id)
+        parent = None if event.parent_hash is None else next(values)
+        args = (wire_hashes, parent, next(token_lists), event.block_size or 0, event.lora_id, medium)
         if dialect == "vllm":
             kind = None if event.group_kind is None else _GROUP_KIND_TO_SPEC_KIND.get(event.group_kind)
-            yield stored_cls(
-                *args, medium=medium, lora_name=event.lora_name, group_idx=event.group, kv_cache_spec_kind=kind
-            )
+            out.append(stored_cls(*args, event.lora_name, None, event.group, kind))
         else:
-            yield stored_cls(*args, medium=medium, lora_name=event.lora_name)
+            out.append(stored_cls(*args, lora_name=event.lora_name))
+    return out
 
 
 _OUT = {
@@ -423,12 +452,11 @@ def encode_engine_events(
     dp_rank: int | None = None,
     snapshot: bool = False,
 ) -> bytes:
-    """:func:`encode_engine_batch` of the batch ``(timestamp, events)``, written one event at a time.
+    """:func:`encode_engine_batch` of the batch ``(timestamp, events)``.
 
-    Each event is encoded as soon as it is read from ``events`` and nothing of it is kept but its bytes,
-    so a generator of events (:func:`kvblocks.event_codec.build_pending`) never has more than one built
-    event, and one event's msgpack structs, alive: a publisher thread then leaves the garbage collector
-    nothing to chase. The bytes are those msgspec writes for the whole batch at once (tests compare them).
+    ``events`` may be a generator (:func:`kvblocks.event_codec.build_pending`): it is read once. The bytes are
+    those msgspec writes for the whole batch of structs (tests compare them); the hashes and token ids of the
+    batch are converted together: a publisher thread holds the GIL while it encodes.
     """
     dialect = _check_dialect(dialect)
     ts = timestamp
@@ -437,21 +465,14 @@ def encode_engine_events(
     if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank <= MAX_INT):
         raise InvalidArgumentError(f"dp_rank must be None or an int in 0..{MAX_INT}, got {dp_rank!r}")
     wire = _wire()
-    structs = _OUT[dialect](wire)
-    encoder = wire.encoder
     if snapshot:
         events = itertools.chain((AllBlocksCleared("device"),), events)
-    body = bytearray()
-    count = 0
     try:
-        for struct in _engine_events(events, dialect, int_hashes, structs):
-            encoder.encode_into(struct, body, -1)
-            count += 1
-        rank = b"" if dp_rank is None and dialect == "vllm" else encoder.encode(dp_rank)
+        body = _engine_events(events, dialect, int_hashes, wire)
+        payload: bytes = wire.encoder.encode(_OUT[dialect](wire)[3](float(ts), body, dp_rank))
     except (TypeError, OverflowError) as error:  # an int field beyond 64 bits
         raise InvalidArgumentError(f"cannot encode batch: {error}") from None
-    head = b"\x93" if rank else b"\x92"
-    return b"".join((head, encoder.encode(float(ts)), _array_header(count), body, rank))
+    return payload
 
 
 def encode_engine_batch(

@@ -181,7 +181,10 @@ def stored_event(
 ) -> BlockStored:
     """A cache's ``BlockStored`` from its fixed tags and one commit's parts: the factory a cache records
     (``functools.partial(stored_event, tier, group, group_kind, block_size)``), so that its hot path passes
-    four arguments and never builds the tuple of hashes."""
+    four arguments and never builds the tuple of hashes. ``token_ids`` may be the bytes of an ``array('I')``:
+    what a cache records, as bytes are the one form of them the garbage collector does not track."""
+    if type(token_ids) is bytes:
+        token_ids = array("I", token_ids)
     return BlockStored(
         tuple(block_hashes), parent_hash, tier, token_ids, group, group_kind, block_size, None, lora_name
     )

@@ -25,6 +25,7 @@ just not O(1) in that case.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -298,8 +299,9 @@ class PrefixTree:
         if self._events is not None:
             parent_hash = hashes[first_new - 1] if first_new > 0 else None
             size = self.block_size
-            # a slice of the caller's array('I') is a memcpy: no int object per token (see BlockStored)
             token_ids = None if tokens is None or size is None else tokens[first_new * size : stop * size]
+            if type(token_ids) is array:  # its bytes: no int object per token, and nothing the GC tracks
+                token_ids = token_ids.tobytes()
             self._events.record(self._stored, hashes[first_new:stop], parent_hash, token_ids, lora_name)
         return existing
 

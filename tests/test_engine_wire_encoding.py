@@ -206,18 +206,10 @@ ts_st = st.floats(allow_nan=False, allow_infinity=False) | st.integers(-(2**53),
 rank_st = st.sampled_from([0, 1, 2**63 - 1]) | st.integers(0, 64)
 
 
-RANK_NONE_BUG = (
-    "vLLM dialect, dp_rank=None: encode_engine_events writes a 2-element batch ([ts, events], header 0x92); "
-    "msgspec writes VllmBatch(ts, events, None) as [ts, events, nil] (0x93 ... 0xc0: omit_defaults does not "
-    "apply to array_like structs, msgspec issue #720), as vLLM 0.33 and kvblocks before 38fd66e did"
-)
-
-
 def _dialect_ranks(dp_rank: int) -> Iterator[tuple[str, bool, int | None]]:
-    """Every dialect and hash form with ``dp_rank`` and with no rank -- but vLLM's no-rank form, tested apart."""
-    for dialect, int_hashes, rank in itertools.product(("vllm", "sglang"), (True, False), (dp_rank, None)):
-        if not (dialect == "vllm" and rank is None):
-            yield dialect, int_hashes, rank
+    """Every dialect and hash form, with ``dp_rank`` and with no rank (msgspec writes vLLM's as nil too: its
+    ``omit_defaults`` does not apply to ``array_like`` structs, msgspec issue #720)."""
+    yield from itertools.product(("vllm", "sglang"), (True, False), (dp_rank, None))
 
 
 def check(
@@ -249,15 +241,6 @@ def test_random_batches_are_the_bytes_msgspec_writes_for_the_whole_batch(
 ) -> None:
     for dialect, int_hashes, rank in _dialect_ranks(dp_rank):
         check(events, ts, dialect, int_hashes, rank, snapshot)
-
-
-@pytest.mark.xfail(strict=True, reason=RANK_NONE_BUG)
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(events=events_st, ts=ts_st, snapshot=st.booleans(), int_hashes=st.booleans())
-def test_random_vllm_batches_without_a_rank_are_the_bytes_msgspec_writes(
-    events: list[KVEvent], ts: float, snapshot: bool, int_hashes: bool
-) -> None:
-    check(events, ts, "vllm", int_hashes, None, snapshot)
 
 
 # ---------------------------------------------------------------------- sizes: array headers, long token runs
@@ -328,19 +311,12 @@ BAD_HASHES = {
     "bytearray hash": BlockStored((bytearray(b"ab"),), None, "device"),  # type: ignore[arg-type]
     "str parent": BlockStored((1,), "x", "device"),
 }
-KEPT_BYTES_BUG = (
-    "vLLM dialect with int_hashes=False writes a hash that is not an int >= 0 or non-empty bytes as it is "
-    "(engine_wire._wire_hash returns h unchecked): no error, and a payload the decoder refuses"
-)
 
 
 def _combos() -> Iterator[Any]:
     for name, event in {**INVALID, **BAD_HASHES}.items():
         for dialect, int_hashes in (("vllm", True), ("vllm", False), ("sglang", True), ("sglang", False)):
-            marks = []
-            if name in BAD_HASHES and dialect == "vllm" and not int_hashes:
-                marks = [pytest.mark.xfail(strict=True, reason=KEPT_BYTES_BUG)]
-            yield pytest.param(event, dialect, int_hashes, id=f"{name}-{dialect}-{int_hashes}", marks=marks)
+            yield pytest.param(event, dialect, int_hashes, id=f"{name}-{dialect}-{int_hashes}")
 
 
 @pytest.mark.parametrize(("event", "dialect", "int_hashes"), list(_combos()))

@@ -6,7 +6,7 @@ map tagged by its class name (``{"type": "BlockStored", "block_hashes": [...], .
 =============  =====================================  =========================================
                vLLM (0.33)                            SGLang (0.5.23)
 =============  =====================================  =========================================
-batch          ``[ts, events]`` (+ rank when set)     ``[ts, events, rank]`` (rank may be nil)
+batch          ``[ts, events, rank]`` (rank may be nil) ``[ts, events, rank]`` (rank may be nil)
 hashes         u64 ints (default) or digest bytes     signed int64
 medium         ``GPU`` / ``CPU`` / ``STORAGE``         ``GPU`` / ``CPU_PINNED`` / ``DISK`` / ``EXTERNAL``
 groups         ``group_idx`` + ``kv_cache_spec_kind``  none
@@ -319,8 +319,8 @@ def _wire_hash(h: BlockHash, dialect: Dialect, int_hashes: bool) -> int | bytes:
     if dialect == "sglang":
         value = sglang_int_hash(h)  # SGLang's int form: the digest's FIRST 8 bytes, written signed
         return value - (1 << 64) if value >= 1 << 63 else value
-    if int_hashes or type(h) is int:
-        return vllm_int_hash(h)
+    if int_hashes or type(h) is not bytes or not h:
+        return vllm_int_hash(h)  # an int's own form; raises InvalidBlockHashError for what is not a hash
     return h
 
 
@@ -356,26 +356,14 @@ def _scored(event: KVEvent) -> bool:
     return kind == "full" or (kind is None and event.group in (None, 0))
 
 
-def _token_lists(tokens: array[int], counts: list[int]) -> list[list[int]]:
-    """``tokens`` cut into lists of ``counts`` ids each (one ``tolist`` for the batch)."""
-    flat = tokens.tolist()
-    out: list[list[int]] = []
-    at = 0
-    for n in counts:
-        out.append(flat[at : at + n])
-        at += n
-    return out
-
-
 def _gather(
     events: Iterable[KVEvent], dialect: Dialect
-) -> tuple[list[BlockStored | BlockRemoved | None], list[BlockHash], array[int], list[int]]:
+) -> tuple[list[BlockStored | BlockRemoved | None], list[BlockHash], list[list[int]]]:
     """Check ``events`` and keep those the dialect writes (None: an engine clear; a run of clears is one),
-    with every hash of them (parents after their blocks), every token id, and the ids of each stored event."""
+    with every hash of them (parents after their blocks) and each stored event's token ids as a list."""
     kept: list[BlockStored | BlockRemoved | None] = []
     hashes: list[BlockHash] = []
-    tokens: array[int] = array("I")
-    counts: list[int] = []
+    tokens: list[list[int]] = []
     for event in events:
         if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
             raise InvalidArgumentError(f"not a KV event: {event!r}")
@@ -395,18 +383,17 @@ def _gather(
                 raise InvalidTokenError(
                     f"cannot encode BlockStored: token ids must be ints in [0, 2**32), got {brief(ids)}"
                 )
-            tokens.extend(ids)
-            counts.append(len(ids))
-    return kept, hashes, tokens, counts
+            tokens.append(ids.tolist() if type(ids) is array else list(ids))
+    return kept, hashes, tokens
 
 
 def _engine_events(events: Iterable[KVEvent], dialect: Dialect, int_hashes: bool, wire: Any) -> list[Any]:
-    """The engine structs of ``events``, in order: every hash and token id of the batch is converted at once
-    (:func:`_wire_hashes`, :func:`_token_lists`), then the structs take their share."""
+    """The engine structs of ``events``, in order: every hash of the batch is converted at once
+    (:func:`_wire_hashes`), then the structs take their share."""
     stored_cls, removed_cls, cleared_cls, _ = _OUT[dialect](wire)
-    kept, hashes, tokens, counts = _gather(events, dialect)
+    kept, hashes, tokens = _gather(events, dialect)
     values = iter(_wire_hashes(hashes, dialect, int_hashes))
-    token_lists = iter(_token_lists(tokens, counts))
+    token_lists = iter(tokens)
     out: list[Any] = []
     for event in kept:
         if event is None:
@@ -455,8 +442,8 @@ def encode_engine_events(
     """:func:`encode_engine_batch` of the batch ``(timestamp, events)``.
 
     ``events`` may be a generator (:func:`kvblocks.event_codec.build_pending`): it is read once. The bytes are
-    those msgspec writes for the whole batch of structs (tests compare them); the hashes and token ids of the
-    batch are converted together: a publisher thread holds the GIL while it encodes.
+    those msgspec writes for the whole batch of structs (tests compare them); the hashes of the batch are
+    converted together: a publisher thread holds the GIL while it encodes.
     """
     dialect = _check_dialect(dialect)
     ts = timestamp

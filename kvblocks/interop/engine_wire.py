@@ -6,7 +6,7 @@ map tagged by its class name (``{"type": "BlockStored", "block_hashes": [...], .
 =============  =====================================  =========================================
                vLLM (0.33)                            SGLang (0.5.23)
 =============  =====================================  =========================================
-batch          ``[ts, events, rank]`` (rank may be nil) ``[ts, events, rank]`` (rank may be nil)
+batch          ``[ts, events, rank]`` (rank or nil)  ``[ts, events, rank]`` (rank or nil)
 hashes         u64 ints (default) or digest bytes     signed int64
 medium         ``GPU`` / ``CPU`` / ``STORAGE``         ``GPU`` / ``CPU_PINNED`` / ``DISK`` / ``EXTERNAL``
 groups         ``group_idx`` + ``kv_cache_spec_kind``  none

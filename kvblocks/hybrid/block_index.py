@@ -20,6 +20,7 @@ manager's commit rule), so nothing unwritten is ever found here.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from itertools import islice
 
 from kvblocks.errors import (
@@ -29,7 +30,7 @@ from kvblocks.errors import (
     InvalidBlockIdError,
     SequenceStateError,
 )
-from kvblocks.event_codec import EVENT_GROUP_KINDS, BlockRemoved, BlockStored, is_group_tag
+from kvblocks.event_codec import EVENT_GROUP_KINDS, BlockStored, is_group_tag, removed_event, stored_event
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
@@ -57,7 +58,19 @@ class FlatBlockIndex:
     (0, [0], None)
     """
 
-    __slots__ = ("_block_of", "_events", "_hash_of", "_parent_of", "group", "group_kind", "num_evicted", "pool", "tier")
+    __slots__ = (
+        "_block_of",
+        "_events",
+        "_hash_of",
+        "_parent_of",
+        "_removed_event",
+        "_stored_event",
+        "group",
+        "group_kind",
+        "num_evicted",
+        "pool",
+        "tier",
+    )
 
     def __init__(
         self,
@@ -86,6 +99,9 @@ class FlatBlockIndex:
         self.group = group
         self.group_kind = group_kind
         self._events = events
+        # what its events are built with, off the hot path (EventSink.record)
+        self._stored_event = partial(stored_event, tier, group, group_kind, None)
+        self._removed_event = partial(removed_event, tier, group, group_kind)
         self._block_of: dict[BlockHash, int] = {}
         self._hash_of: list[BlockHash | None] = [None] * pool.num_blocks
         # The chain parent of each indexed block, for snapshot_events: kept only with a sink (no cost without).
@@ -144,9 +160,7 @@ class FlatBlockIndex:
         return block
 
     def _stored(self, hashes: tuple[BlockHash, ...], parent_hash: BlockHash | None) -> None:
-        self._events.emit(  # type: ignore[union-attr]  # called only with a sink
-            BlockStored(hashes, parent_hash, self.tier, None, self.group, self.group_kind)
-        )
+        self._events.record(self._stored_event, hashes, parent_hash, None, None)  # type: ignore[union-attr]
 
     def insert_run(self, hashes: Sequence[BlockHash], blocks: Sequence[int], start: int, stop: int) -> None:
         """Index ``blocks[p]`` under ``hashes[p]`` for ``start <= p < stop``: a manager's commit of held blocks.
@@ -255,8 +269,9 @@ class FlatBlockIndex:
                 removed.append(h)
         self.num_evicted += len(evicted)
         if evicted and self._events is not None:
-            removed_now = tuple(removed[-len(evicted) :])  # type: ignore[index]  # a list with a sink
-            self._events.emit(BlockRemoved(removed_now, self.tier, self.group, self.group_kind))
+            # our own list when the caller gave none (nobody changes it later), else the batch's part of theirs
+            mine = removed if removed_hashes is None else removed[-len(evicted) :]  # type: ignore[index]
+            self._events.record(self._removed_event, mine)
         return evicted
 
     def clear(self) -> list[int]:

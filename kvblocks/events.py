@@ -22,8 +22,8 @@ A cache records its events on its hot path with :meth:`EventSink.record` (a fact
 arguments: the event is built only when read). An :class:`EventPublisher` drains a sink and sends
 its records as batches numbered per producer -- when the engine calls :meth:`EventPublisher.publish`,
 or every few milliseconds from a background thread after :meth:`EventPublisher.start`, which takes
-building, batching and sending off the engine's thread; :meth:`EventPublisher.publish_snapshot` sends the producer's whole
-tree (:meth:`kvblocks.radix.PrefixTree.snapshot_events`; for a hybrid cache, followed by
+building, batching and sending off the engine's thread; :meth:`EventPublisher.publish_snapshot`
+sends the producer's whole tree (:meth:`kvblocks.radix.PrefixTree.snapshot_events`; for a hybrid cache, followed by
 each local group's :meth:`~kvblocks.hybrid.block_index.FlatBlockIndex.snapshot_events`,
 all tagged) as one batch that replaces what consumers knew of it. An :class:`EventConsumer` applies batches in order and
 reports a missing number as a gap; it then ignores that producer's batches until a

@@ -44,6 +44,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from kvblocks.errors import ConfigError
@@ -62,7 +63,10 @@ from kvblocks.event_codec import (
     decode_batch,
     encode_batch,
     pending_args,
+    removed_event,
+    stored_event,
 )
+from kvblocks.hashing import BlockHash
 
 if TYPE_CHECKING:  # the transport layer is below this one (and never imports it)
     from kvblocks.event_transport import EventTransport
@@ -82,6 +86,7 @@ __all__ = [
     "KVEvent",
     "decode_batch",
     "encode_batch",
+    "record_changes",
 ]
 
 _log = logging.getLogger("kvblocks.events")
@@ -188,6 +193,26 @@ class EventSink:
         buffer = self._buffer
         popleft = buffer.popleft
         return [popleft() for _ in range(len(buffer))]
+
+
+def record_changes(
+    sink: EventSink,
+    changes: list[tuple[bool, list[BlockHash]]],
+    tier: str,
+    group: int | None,
+    group_kind: str | None,
+    block_size: int | None,
+) -> None:
+    """Record a tier's noted changes in order: each ``(stored, hashes)`` run as one ``BlockStored`` (no parent,
+    no token ids: a lower tier holds blocks, not chains) or one ``BlockRemoved``. The lists become the events'
+    hashes: the caller hands them over and does not change them again."""
+    stored = partial(stored_event, tier, group, group_kind, block_size)
+    removed = partial(removed_event, tier, group, group_kind)
+    for is_stored, hashes in changes:
+        if is_stored:
+            sink.record(stored, hashes, None, None, None)
+        else:
+            sink.record(removed, hashes)
 
 
 # ---------------------------------------------------------------------- publisher

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 
 from kvblocks.errors import IntegrityError, InvalidArgumentError
 from kvblocks.event_codec import AllBlocksCleared, BlockRemoved, BlockStored, is_group_tag
-from kvblocks.events import EventSink
+from kvblocks.events import EventSink, record_changes
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
 
@@ -91,14 +91,7 @@ class HostTier:
             return
         self._log = []
         sink: EventSink = self._events  # type: ignore[assignment]  # a log exists only with a sink
-        group, kind = self.group, self.group_kind
-        for stored, hashes in log:
-            if stored:
-                sink.emit(
-                    BlockStored(tuple(hashes), None, "host", group=group, group_kind=kind, block_size=self.block_size)
-                )
-            else:
-                sink.emit(BlockRemoved(tuple(hashes), "host", group, kind))
+        record_changes(sink, log, "host", self.group, self.group_kind, self.block_size)
 
     def snapshot_events(self) -> list[BlockStored]:
         """The ready entries as one ``BlockStored`` (none when empty), tagged as this tier's events. Pure."""

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvblocks.errors import ConfigError, InvalidArgumentError
-from kvblocks.event_codec import BlockRemoved, BlockStored, is_group_tag
-from kvblocks.events import EventSink
+from kvblocks.event_codec import BlockStored, is_group_tag
+from kvblocks.events import EventSink, record_changes
 from kvblocks.hashing import BlockHash, Namespace
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.entry import EntryFormat, block_key, namespace_tag
@@ -238,16 +238,7 @@ class StorageTier:
         with self._lock:
             log, self._log = self._log, []
         sink: EventSink = self._events  # type: ignore[assignment]  # a log exists only with a sink
-        group, kind = self.group, self.group_kind
-        for stored, hashes in log:
-            if stored:
-                sink.emit(
-                    BlockStored(
-                        tuple(hashes), None, "storage", group=group, group_kind=kind, block_size=self._block_size
-                    )
-                )
-            else:
-                sink.emit(BlockRemoved(tuple(hashes), "storage", group, kind))
+        record_changes(sink, log, "storage", self.group, self.group_kind, self._block_size)
 
     def known_hashes(self) -> list[BlockHash]:
         """The hashes known stored now, least recently learned first (a copy; any thread)."""

@@ -300,7 +300,7 @@ class PrefixTree:
             parent_hash = hashes[first_new - 1] if first_new > 0 else None
             size = self.block_size
             token_ids = None if tokens is None or size is None else tokens[first_new * size : stop * size]
-            if type(token_ids) is array:  # its bytes: no int object per token, and nothing the GC tracks
+            if type(token_ids) is array and token_ids.typecode == "I":  # its bytes: nothing the GC tracks
                 token_ids = token_ids.tobytes()
             self._events.record(self._stored, hashes[first_new:stop], parent_hash, token_ids, lora_name)
         return existing

@@ -110,3 +110,20 @@ def test_token_ids_of_any_sequence_type_make_equal_events_and_a_cache_s_event_is
     (record,) = sink.drain()
     m.append_tokens("a", [4, 5, 6])  # the sequence's tokens grow; the event already emitted does not
     assert list(record.event.token_ids) == [1, 2]
+
+
+def test_a_tree_s_event_keeps_token_ids_of_any_array_width() -> None:
+    """The tree hands a 32-bit array's tokens over as its bytes; any other array must not be read as one."""
+    from array import array
+
+    from kvblocks.pool import BlockPool
+    from kvblocks.radix import PrefixTree
+
+    for typecode in ("I", "Q", "H"):
+        sink = EventSink()
+        pool = BlockPool(4)
+        tree = PrefixTree(pool, events=sink, block_size=2)
+        blocks = pool.take_fresh(2)
+        tree.insert([b"h0", b"h1"], blocks, tokens=array(typecode, [7, 300, 9, 65535]))
+        (record,) = sink.drain()
+        assert list(record.event.token_ids) == [7, 300, 9, 65535], typecode

@@ -131,7 +131,7 @@ class EventSink:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ConfigError(f"event buffer capacity must be an int >= 0, got {capacity!r}")
         self._next_seq = 0
-        # (number, timestamp, factory, args) per event, oldest first; args is the event when factory is None
+        # one PendingEvent per event, oldest first: (seq, timestamp, factory, *args), or (seq, timestamp, None, event)
         self._buffer: deque[PendingEvent] = deque(maxlen=capacity)
         self._subscribers: list[Callable[[EventRecord], None]] = []
         self._clock = clock

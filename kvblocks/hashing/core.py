@@ -686,18 +686,23 @@ _MAX_WIDTH_DIGITS = 6
 """A packed width has at most this many digits: ``int()`` of thousands of digits raises a bare ValueError."""
 
 
+def _strict_fromhex(text: str) -> bytes | None:
+    """The bytes ``text`` spells in hex, or None: unlike ``bytes.fromhex``, whitespace is refused too."""
+    try:
+        data = bytes.fromhex(text)
+    except ValueError:
+        return None
+    return data if 2 * len(data) == len(text) else None
+
+
 def hash_from_json(raw: object) -> BlockHash:
     """The inverse of :func:`hash_to_json`; anything else raises :class:`InvalidBlockHashError`."""
     if type(raw) is int and raw >= 0:
         return raw
     if type(raw) is str and raw:
-        try:
-            h = bytes.fromhex(raw)
-        except ValueError:
-            pass
-        else:
-            if 2 * len(h) == len(raw):  # fromhex skips whitespace: refuse it
-                return h
+        h = _strict_fromhex(raw)
+        if h is not None:
+            return h
     raise InvalidBlockHashError(f"malformed block hash {brief(raw)}")
 
 
@@ -710,14 +715,9 @@ def hashes_from_json(raw: object) -> tuple[BlockHash, ...]:
         width, _, hexed = raw.partition(":")
         digits = width.isascii() and width.isdigit() and len(width) <= _MAX_WIDTH_DIGITS
         w = int(width) if digits else 0
-        if w > 0 and hexed.isascii() and len(hexed) % (2 * w) == 0:
-            try:
-                packed = bytes.fromhex(hexed)
-            except ValueError:
-                pass
-            else:
-                if 2 * len(packed) == len(hexed):  # fromhex skips whitespace: refuse it
-                    return tuple(packed[k : k + w] for k in range(0, len(packed), w))
+        packed = _strict_fromhex(hexed) if w > 0 and hexed.isascii() and len(hexed) % (2 * w) == 0 else None
+        if packed is not None:
+            return tuple(packed[k : k + w] for k in range(0, len(packed), w))
     raise InvalidBlockHashError(f"malformed block hashes {brief(raw)}")
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "decode_batch",
     "encode_batch",
     "is_event_group",
+    "is_prefix_event",
     "is_group_tag",
 ]
 
@@ -261,6 +262,14 @@ def is_event_group(group: object, kind: object) -> bool:
     """Whether an event may carry ``(group, kind)``: a group tag, or a group whose producer named no kind
     (vLLM's ``BlockRemoved`` carries only ``group_idx``)."""
     return is_group_tag(group, kind) or (kind is None and type(group) is int and 0 <= group <= MAX_INT)
+
+
+def is_prefix_event(event: KVEvent) -> bool:
+    """Whether ``event`` is about the prefix a router scores: untagged, of a ``"full"`` group, or of group 0
+    when its producer named no kind (vLLM's ``BlockRemoved``). Another group's copy of the chain -- a
+    sliding window's, whose removals say nothing of the full group's -- is not."""
+    kind = event.group_kind
+    return kind == "full" or (kind is None and event.group in (None, 0))
 
 
 _META_KEYS = frozenset(("group", "kind", "block_size", "lora_id", "lora_name"))

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 
 from kvblocks.errors import ConfigError, InvalidArgumentError, KVBlocksError
+from kvblocks.event_codec import is_prefix_event
 from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvblocks.hashing import (
     DEFAULT_SCHEME,
@@ -373,8 +374,7 @@ class Router:
         for event in events:
             if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
                 raise InvalidArgumentError(f"not a KV event: {type(event).__name__}")
-            kind = event.group_kind
-            if (kind is not None and kind != "full") or (kind is None and event.group not in (None, 0)):
+            if not is_prefix_event(event):
                 continue  # another group's copy of the chain: not the prefix this index scores
             if isinstance(event, BlockStored):
                 self._add(w, event.tier, event.block_hashes)

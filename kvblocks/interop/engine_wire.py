@@ -61,6 +61,7 @@ from kvblocks.event_codec import (
     EventBatch,
     KVEvent,
     are_token_ids,
+    is_prefix_event,
 )
 from kvblocks.hashing import BlockHash, sglang_int_hash, vllm_int_hash
 from kvblocks.strict_json import MAX_INT, brief
@@ -350,12 +351,6 @@ def _medium(tier: str, dialect: Dialect) -> str:
     return _TIER_TO_MEDIUM[dialect].get(tier, tier)
 
 
-def _scored(event: KVEvent) -> bool:
-    """Whether a router scores ``event`` (the only events SGLang's group-less dialect can carry)."""
-    kind = event.group_kind
-    return kind == "full" or (kind is None and event.group in (None, 0))
-
-
 def _gather(
     events: Iterable[KVEvent], dialect: Dialect
 ) -> tuple[list[BlockStored | BlockRemoved | None], list[BlockHash], list[list[int]]]:
@@ -371,7 +366,7 @@ def _gather(
             if not kept or kept[-1] is not None:  # one engine clear clears every tier
                 kept.append(None)
             continue
-        if dialect == "sglang" and not _scored(event):
+        if dialect == "sglang" and not is_prefix_event(event):  # the only events its group-less dialect carries
             continue
         kept.append(event)
         hashes.extend(event.block_hashes)
@@ -379,7 +374,7 @@ def _gather(
             if event.parent_hash is not None:
                 hashes.append(event.parent_hash)
             ids = event.token_ids or ()
-            if not (type(ids) is array and ids.typecode == "I") and not are_token_ids(ids):
+            if not are_token_ids(ids):
                 raise InvalidTokenError(
                     f"cannot encode BlockStored: token ids must be ints in [0, 2**32), got {brief(ids)}"
                 )
@@ -419,15 +414,6 @@ _OUT = {
     "vllm": lambda w: (w.VllmStored, w.VllmRemoved, w.Cleared, w.VllmBatch),
     "sglang": lambda w: (w.SglangStored, w.SglangRemoved, w.Cleared, w.SglangBatch),
 }
-
-
-def _array_header(count: int) -> bytes:
-    """A msgpack array header, in the smallest form (as msgspec writes it)."""
-    if count < 16:
-        return bytes((0x90 | count,))
-    if count < 1 << 16:
-        return b"\xdc" + count.to_bytes(2, "big")
-    return b"\xdd" + count.to_bytes(4, "big")
 
 
 def encode_engine_events(

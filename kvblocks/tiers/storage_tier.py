@@ -363,6 +363,22 @@ class StorageTier:
         self._requests.put(request)
         return request.id
 
+    def read(self, hashes: Sequence[BlockHash]) -> LoadOutcome:
+        """Read ``hashes``' entries on the calling thread and return the payloads of their sound leading run.
+
+        What :meth:`load` does on the reader thread, for a caller that must have the blocks before it goes
+        on (a vLLM worker loading before its forward pass). The same checks, stats and index updates apply;
+        a backend that raises makes every block a miss (counted in ``load_errors``).
+        """
+        checked = tuple(hashes)
+        self.stats.loads_requested += len(checked)
+        try:
+            return self._read(checked)
+        except Exception:  # a backend bug must not reach the caller: the read becomes a miss
+            _log.exception("storage read failed")
+            self.stats.load_errors += len(checked)
+            return LoadOutcome(())
+
     def cancel(self, request_id: int) -> None:
         """The caller no longer wants a queued read: the reader skips it if it has not started it."""
         request = self._queued_loads.pop(request_id, None)

@@ -1,0 +1,109 @@
+"""Whole blocks of vLLM's paged KV tensors as bytes, and back (the connector's worker side).
+
+vLLM hands a connector one tensor per attention layer, ``[num_blocks, *block_shape]`` (on CPU
+``[num_blocks, kv_heads, block_size, 2 * head_dim]``: each (block, head) holds its K rows, then its
+V rows). A stored block is every layer's block, in layer order, as raw bytes::
+
+    payload of block b = layer0[b] bytes | layer1[b] bytes | ... | layer{L-1}[b] bytes
+
+The layout inside a layer's block is whatever the attention backend uses; the entry format
+(:class:`~kvblocks.integrations.vllm.kv_format.VllmKVFormat`) names it, so only a deployment with the
+same layout ever reads the bytes back. Moving whole blocks as bytes never needs to know it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+from kvblocks.backends._torch import torch
+from kvblocks.errors import ConfigError, InvalidArgumentError
+
+__all__ = ["LayerBlocks", "layer_order"]
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def layer_order(name: str) -> tuple[tuple[int, int | str], ...]:
+    """A sort key putting ``model.layers.2.attn`` before ``model.layers.10.attn`` (numbers as numbers).
+
+    >>> sorted(["m.layers.10.attn", "m.layers.2.attn"], key=layer_order)
+    ['m.layers.2.attn', 'm.layers.10.attn']
+    """
+    return tuple((1, int(part)) if part.isdigit() else (0, part) for part in _DIGITS.split(name) if part)
+
+
+class LayerBlocks:
+    """Reads and writes whole blocks across a set of per-layer KV tensors (see the module docstring)."""
+
+    def __init__(self, layers: Mapping[str, torch.Tensor]) -> None:
+        if not layers:
+            raise ConfigError("no KV cache tensors to read blocks from")
+        names = sorted(layers, key=layer_order)
+        tensors = [layers[name] for name in names]
+        first = tensors[0]
+        for name, tensor in zip(names, tensors, strict=True):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
+                raise ConfigError(f"layer {name!r}: expected a tensor [num_blocks, ...], got {tensor!r:.80}")
+            if tensor.shape != first.shape or tensor.dtype != first.dtype or tensor.device != first.device:
+                raise ConfigError(
+                    f"layer {name!r} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}, but "
+                    f"{names[0]!r} is {tuple(first.shape)} {first.dtype} on {first.device}: one block format per store"
+                )
+            if not tensor[0].is_contiguous():
+                raise ConfigError(f"layer {name!r}: a block is not contiguous in memory (stride {tensor.stride()})")
+        self.layer_names: tuple[str, ...] = tuple(names)
+        self._tensors = tensors
+        self.num_blocks = int(first.shape[0])
+        self.block_shape: tuple[int, ...] = tuple(int(d) for d in first.shape[1:])
+        self.dtype = str(first.dtype).removeprefix("torch.")
+        self.device = first.device
+        self.bytes_per_layer_block = first[0].numel() * first.element_size()
+        self.bytes_per_block = self.bytes_per_layer_block * len(tensors)
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        for b in block_ids:
+            if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks:
+                raise InvalidArgumentError(f"block id {b!r} is not an int in 0..{self.num_blocks - 1}")
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    def read(self, block_ids: Sequence[int]) -> list[memoryview]:
+        """The payloads of ``block_ids``, copied out of the tensors now (the blocks may be reused at once)."""
+        if not block_ids:
+            return []
+        index = self._ids(block_ids)
+        # [blocks, layers, *block_shape] on the host: one gather per layer, one copy to host
+        stacked = torch.stack([t.index_select(0, index) for t in self._tensors], dim=1).cpu().contiguous()
+        flat = memoryview(stacked.view(torch.uint8).numpy().data).cast("B")
+        size = self.bytes_per_block
+        return [flat[i * size : (i + 1) * size] for i in range(len(block_ids))]
+
+    def write(self, block_ids: Sequence[int], payloads: Sequence[object]) -> None:
+        """Copy ``payloads`` (bytes-like, one block each) into ``block_ids``. Checks every payload first:
+        a wrong length raises :class:`InvalidArgumentError` and writes nothing."""
+        if len(block_ids) != len(payloads):
+            raise InvalidArgumentError(f"{len(block_ids)} blocks but {len(payloads)} payloads")
+        if not block_ids:
+            return
+        index = self._ids(block_ids)
+        if len(set(block_ids)) != len(block_ids):
+            raise InvalidArgumentError("a block id appears twice in one write")
+        size = self.bytes_per_block
+        views = []
+        for payload in payloads:
+            try:
+                view = memoryview(payload).cast("B")  # type: ignore[arg-type]
+            except (TypeError, ValueError) as error:
+                raise InvalidArgumentError(f"a block payload must be bytes-like: {error}") from None
+            if len(view) != size:
+                raise InvalidArgumentError(f"a block payload is {len(view)} bytes, a block is {size}")
+            views.append(view)
+        staging = torch.empty((len(views), size), dtype=torch.uint8)
+        host = staging.numpy()
+        for i, view in enumerate(views):
+            host[i] = view  # one copy of each payload, into a buffer torch owns
+        first = self._tensors[0]
+        typed = staging.view(first.dtype).view(len(views), len(self._tensors), *self.block_shape)
+        typed = typed.to(self.device, non_blocking=False)
+        for layer, tensor in enumerate(self._tensors):
+            tensor.index_copy_(0, index, typed[:, layer])

@@ -1,0 +1,308 @@
+"""``KVBlocksConnector``: vLLM's ``KVConnectorBase_V1`` over kvblocks' storage tier.
+
+vLLM builds one connector in its scheduler and one in every worker; each half has one job::
+
+    scheduler (no I/O)                                  worker (owns the KV tensors)
+    get_num_new_matched_tokens -> TransferPlanner.match   start_load_kv -> StorageTier.read -> LayerBlocks.write
+    update_state_after_alloc   -> TransferPlanner.allocated   (what fails: get_block_ids_with_load_errors)
+    build_connector_meta       -> StepPlan (loads, saves) --> wait_for_save -> LayerBlocks.read -> StorageTier.save
+    request_finished           -> TransferPlanner.finished                      (copied now, written off-thread)
+
+* A hit is the leading run of whole blocks the storage index knows past vLLM's local hit; an
+  unknown block is probed off-thread while vLLM asks again (``None``), never read on the scheduler.
+* A load that finds an entry missing, corrupt, of another format or written under another key is a
+  counted miss: its block ids (and the rest of the run) go to vLLM's load-error hook and vLLM
+  recomputes them. Nothing a store returns reaches the KV unchecked, and no exception reaches vLLM.
+* Saves copy a step's newly filled blocks out of the KV tensors in ``wait_for_save`` -- before vLLM can
+  reuse them, so preemption and abort need nothing more -- and hand the bytes to the background writer,
+  whose bounded queue drops its oldest entry when full instead of waiting.
+* Keys are vLLM's own block hashes under a key space naming the model, the hash algorithm, the block
+  size and the KV format (:class:`~kvblocks.integrations.vllm.kv_format.VllmKVFormat`); each
+  tensor-parallel rank stores its shard under its own key.
+
+Load failures are recomputed only with ``kv_load_failure_policy="recompute"``: the connector sets it
+(a cache miss must never fail a request) and says so in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvblocks.backends.spec import DTYPE_SIZES
+from kvblocks.errors import ConfigError
+from kvblocks.hashing import Namespace
+from kvblocks.integrations.vllm.kv_format import VllmKVFormat
+from kvblocks.integrations.vllm.planner import BlockRun, StepPlan, TransferPlanner
+from kvblocks.integrations.vllm.settings import ConnectorSettings
+from kvblocks.tiers.config import TierConfig
+from kvblocks.tiers.storage_tier import StorageTier
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from kvblocks.integrations.vllm.block_copy import LayerBlocks
+
+__all__ = ["ConnectorStats", "KVBlocksConnector", "KVBlocksConnectorMetadata", "describe_format"]
+
+_log = logging.getLogger("kvblocks.integrations.vllm")
+
+
+class KVBlocksConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's :class:`StepPlan`, from the scheduler to the workers."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+@dataclass
+class ConnectorStats:
+    """What one connector half did (counts of blocks)."""
+
+    load_blocks: int = 0
+    load_failed_blocks: int = 0
+    save_blocks: int = 0
+    save_failed_blocks: int = 0
+    plan_errors: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def note_error(self, what: str) -> None:
+        if len(self.errors) < 32:
+            self.errors.append(what)
+
+
+def describe_format(vllm_config: Any, kv_cache_config: Any, salt: str | None) -> VllmKVFormat:
+    """The stored-block format of this deployment, from what both connector halves are given."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        raise ConfigError(
+            f"KVBlocksConnector stores models with one KV cache group (full attention); this one has {len(groups)}"
+        )
+    spec = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    local = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+    if kind != "FullAttentionSpec" or local:
+        raise ConfigError(f"KVBlocksConnector stores full-attention KV only, not {kind}")
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise ConfigError("KVBlocksConnector does not support pipeline parallelism yet")
+    dtype = str(spec.dtype).removeprefix("torch.")
+    if dtype not in DTYPE_SIZES:
+        raise ConfigError(f"KV cache dtype {dtype} is not one kvblocks stores")
+    page = int(spec.page_size_bytes)
+    itemsize = DTYPE_SIZES[dtype]
+    from vllm.platforms import current_platform
+
+    layout = ":".join(
+        str(part)
+        for part in (
+            current_platform.device_type,
+            kv_cache_config.kv_cache_layout,
+            f"kv{spec.num_kv_heads}",
+            f"hs{spec.head_size}",
+            f"tp{parallel.tensor_parallel_size}",
+        )
+    )
+    return VllmKVFormat(
+        model=str(vllm_config.model_config.model),
+        dtype=dtype,
+        num_layers=len(groups[0].layer_names),
+        block_shape=(page // itemsize,),
+        block_size=int(spec.block_size),
+        hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
+        layout=layout,
+        salt=salt,
+    )
+
+
+class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """Stores vLLM's full blocks in kvblocks' storage tier and loads them back as external hits.
+
+    Configured through ``kv_transfer_config`` (see :mod:`kvblocks.integrations.vllm.settings`)::
+
+        LLM(model, kv_transfer_config={"kv_connector": "KVBlocksConnector",
+                                       "kv_connector_module_path": "kvblocks.integrations.vllm",
+                                       "kv_role": "kv_both",
+                                       "kv_connector_extra_config": {"path": "/mnt/kv"}})
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        self.format = describe_format(vllm_config, kv_cache_config, self.settings.salt)
+        self.stats = ConnectorStats()
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        self._is_scheduler = role == KVConnectorRole.SCHEDULER
+        if self._is_scheduler:
+            ranks: tuple[int, ...] = tuple(range(tp)) if tp > 1 else ()
+            if transfer.kv_load_failure_policy != "recompute":
+                _log.info("kvblocks: kv_load_failure_policy set to 'recompute': a cache miss must not fail a request")
+                transfer.kv_load_failure_policy = "recompute"
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            ranks = (int(get_tensor_model_parallel_rank()),) if tp > 1 else ()
+        fmt = self.format
+        self.tier = StorageTier(
+            TierConfig(
+                storage=self.settings.open_storage(),
+                entry_format=fmt.entry_format,
+                ranks=ranks,
+                max_pending_writes=self.settings.max_pending_writes,
+                storage_timeout_s=self.settings.storage_timeout_s,
+            ),
+            Namespace(fmt.model, fmt.salt),
+            fmt.scheme,
+            fmt.block_size,
+        )
+        self.planner = TransferPlanner(self.tier, fmt.block_size, lookup_timeout_s=self.settings.lookup_timeout_s)
+        self.blocks: LayerBlocks | None = None
+        self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        try:
+            tokens = self.planner.match(
+                request.request_id, request.block_hashes, request.num_tokens, num_computed_tokens
+            )
+        except Exception as error:  # never into the engine: no hit
+            self._plan_error("match", error)
+            return 0, False
+        return tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
+        block_ids: list[int] = []
+        try:
+            block_ids = list(blocks.get_block_ids()[0])
+            self.planner.allocated(request.request_id, block_ids, num_external_tokens)
+        except Exception as error:
+            # vLLM counts these tokens as loaded: blocks no load will fill are reported as failed loads
+            self._plan_error("allocated", error)
+            self.planner.fail(block_ids)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVBlocksConnectorMetadata:
+        saves: list[BlockRun] = []
+        try:
+            saves = self._plan_saves(scheduler_output)
+        except Exception as error:  # saves are optional: a bad plan costs future misses, never wrong KV
+            self._plan_error("saves", error)
+        loads, failed = self.planner.take_loads()
+        return KVBlocksConnectorMetadata(StepPlan(loads, tuple(saves), failed))
+
+    def _plan_saves(self, out: Any) -> list[BlockRun]:
+        planner = self.planner
+        for request_id in out.preempted_req_ids or ():
+            planner.preempted(request_id)
+        scheduled = out.num_scheduled_tokens
+        drafts = out.scheduled_spec_decode_tokens or {}
+        saves: list[BlockRun] = []
+
+        def real(request_id: str) -> int:
+            return int(scheduled.get(request_id, 0)) - len(drafts.get(request_id, ()))
+
+        for new in out.scheduled_new_reqs:
+            run = planner.scheduled(new.req_id, new.num_computed_tokens, real(new.req_id), block_ids=new.block_ids[0])
+            if run is not None:
+                saves.append(run)
+        cached = out.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
+        for i, request_id in enumerate(cached.req_ids):
+            groups = cached.new_block_ids[i]
+            fresh = groups[0] if groups else []
+            if request_id in resumed:
+                run = planner.scheduled(request_id, cached.num_computed_tokens[i], real(request_id), block_ids=fresh)
+            else:
+                run = planner.scheduled(
+                    request_id, cached.num_computed_tokens[i], real(request_id), new_block_ids=fresh
+                )
+            if run is not None:
+                saves.append(run)
+        return saves
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.planner.finished(request.request_id)
+        return False, None  # saves copy their blocks in the step that fills them: nothing holds the blocks
+
+    def _plan_error(self, what: str, error: Exception) -> None:
+        self.stats.plan_errors += 1
+        self.stats.note_error(f"{what}: {error!r}")
+        _log.exception("kvblocks connector (%s) failed", what)
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvblocks.integrations.vllm.block_copy import LayerBlocks
+
+        blocks = LayerBlocks(kv_caches)
+        fmt = self.format
+        if len(blocks.layer_names) != fmt.num_layers or blocks.bytes_per_layer_block != fmt.bytes_per_layer_block:
+            raise ConfigError(
+                f"vLLM registered {len(blocks.layer_names)} layers of {blocks.bytes_per_layer_block} bytes per block; "
+                f"the KV cache config says {fmt.num_layers} of {fmt.bytes_per_layer_block}"
+            )
+        self.blocks = blocks
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._plan()
+        if meta is None:
+            return
+        self._load_errors.update(meta.failed)
+        self.stats.load_failed_blocks += len(meta.failed)
+        for run in meta.loads:
+            failed: tuple[int, ...] = run.block_ids
+            try:
+                if self.blocks is None:
+                    raise ConfigError("no KV caches registered")
+                outcome = self.tier.read(run.hashes)
+                usable = len(outcome.payloads)
+                self.blocks.write(run.block_ids[:usable], [parts[0] for parts in outcome.payloads])
+                failed = run.block_ids[usable:]
+            except Exception as error:  # every block of the run is recomputed
+                self.stats.note_error(f"load: {error!r}")
+                _log.exception("kvblocks connector: loading %d blocks failed", len(run.block_ids))
+            self.stats.load_blocks += len(run.block_ids) - len(failed)
+            self.stats.load_failed_blocks += len(failed)
+            self._load_errors.update(failed)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks are saved in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._plan()
+        if meta is None or self.blocks is None:
+            return
+        for run in meta.saves:
+            try:
+                self.tier.save(run.hashes, self.blocks.read(run.block_ids))
+                self.stats.save_blocks += len(run.block_ids)
+            except Exception as error:  # a save that fails is a future miss
+                self.stats.save_failed_blocks += len(run.block_ids)
+                self.stats.note_error(f"save: {error!r}")
+                _log.exception("kvblocks connector: saving %d blocks failed", len(run.block_ids))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _plan(self) -> StepPlan | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, KVBlocksConnectorMetadata) else None
+
+    def shutdown(self) -> None:
+        self.tier.close()

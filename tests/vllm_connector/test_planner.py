@@ -1,0 +1,258 @@
+"""The vLLM connector's scheduler side (kvblocks.integrations.vllm.planner), without vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvblocks.errors import ConfigError, InvalidArgumentError
+from kvblocks.integrations.vllm.planner import BlockRun, TransferPlanner
+
+BS = 4
+
+
+class FakeIndex:
+    """An index over a store: knows what it learned; probes are answered when the test says so."""
+
+    def __init__(self, stored: set[bytes] = frozenset(), known: set[bytes] = frozenset(), probe_room: int = 10**9):
+        self.stored = set(stored)  # what the store really holds
+        self.known = set(known)  # what the index knows
+        self.pending: dict[int, tuple[bytes, ...]] = {}
+        self.answered: set[int] = set()
+        self.probe_room = probe_room
+        self._next = 0
+
+    def known_run(self, hashes: Sequence[bytes], start: int, stop: int) -> int:
+        n = 0
+        for h in hashes[start:stop]:
+            if h not in self.known:
+                break
+            n += 1
+        return n
+
+    def is_known(self, h: bytes) -> bool:
+        return h in self.known
+
+    def probe(self, hashes: Sequence[bytes]) -> int | None:
+        if len(self.pending) >= self.probe_room:
+            return None
+        pid = self._next
+        self._next += 1
+        self.pending[pid] = tuple(hashes)
+        return pid
+
+    def is_answered(self, pid: int) -> bool:
+        return pid in self.answered
+
+    def answer_all(self) -> None:
+        for pid, hashes in self.pending.items():
+            self.known |= {h for h in hashes if h in self.stored}
+            self.answered.add(pid)
+        self.pending.clear()
+
+
+def chain(n: int, tag: str = "r") -> list[bytes]:
+    return [f"{tag}{i}".encode() for i in range(n)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_match_is_the_leading_run_the_index_knows_past_the_local_hit() -> None:
+    h = chain(6)
+    index = FakeIndex(known={h[1], h[2], h[4]}, stored={h[1], h[2], h[4]})
+    planner = TransferPlanner(index, BS)
+    assert planner.match("a", h, 22, 4) is None  # block 3 is unknown: the store is asked first
+    index.answer_all()
+    # block 0 is a local hit; 1 and 2 are stored; 3 is not, so 4 does not count
+    assert planner.match("a", h, 22, 4) == 2 * BS
+
+
+def test_the_last_token_is_always_computed() -> None:
+    h = chain(4)
+    planner = TransferPlanner(FakeIndex(known=set(h), stored=set(h)), BS)
+    assert planner.match("exact", h, 16, 0) == 3 * BS  # 16 tokens: at most 15 loadable, 3 whole blocks
+    assert planner.match("one-more", h, 17, 0) == 4 * BS
+
+
+def test_an_unknown_block_is_probed_and_asked_again_until_answered() -> None:
+    h = chain(5)
+    index = FakeIndex(stored=set(h))
+    planner = TransferPlanner(index, BS)
+    assert planner.match("a", h, 21, 0) is None
+    assert planner.match("a", h, 21, 0) is None  # one probe: still out
+    assert len(index.pending) == 1 and index.pending[0] == tuple(h)
+    index.answer_all()
+    assert planner.match("a", h, 21, 0) == 5 * BS
+
+
+def test_a_probe_past_its_deadline_answers_with_what_is_known() -> None:
+    h = chain(5)
+    clock = Clock()
+    index = FakeIndex(stored=set(h), known={h[0]})
+    planner = TransferPlanner(index, BS, lookup_timeout_s=0.5, clock=clock)
+    assert planner.match("a", h, 21, 0) is None
+    clock.now = 0.6
+    assert planner.match("a", h, 21, 0) == 1 * BS
+
+
+def test_a_full_probe_queue_answers_at_once() -> None:
+    h = chain(3)
+    planner = TransferPlanner(FakeIndex(stored=set(h), known={h[0]}, probe_room=0), BS)
+    assert planner.match("a", h, 13, 0) == 1 * BS
+
+
+def test_allocated_blocks_become_one_load_of_exact_ids() -> None:
+    h = chain(6)
+    index = FakeIndex(known=set(h[:5]), stored=set(h[:5]))
+    planner = TransferPlanner(index, BS)
+    assert planner.match("a", h, 24, 4) == 4 * BS
+    planner.allocated("a", [7, 3, 9, 11, 2, 5], 4 * BS)
+    assert planner.take_loads() == ((BlockRun("a", tuple(h[1:5]), (3, 9, 11, 2)),), ())
+    assert planner.take_loads() == ((), ())
+    # the loaded blocks are not saved again; block 5 is, once the step fills it
+    run = planner.scheduled("a", 20, 4, block_ids=[7, 3, 9, 11, 2, 5])
+    assert run == BlockRun("a", (h[5],), (5,))
+
+
+def test_allocation_without_a_match_in_whole_blocks_is_refused() -> None:
+    h = chain(3)
+    planner = TransferPlanner(FakeIndex(known=set(h), stored=set(h)), BS)
+    assert planner.match("a", h, 13, 0) == 3 * BS
+    with pytest.raises(InvalidArgumentError):
+        planner.allocated("a", [0, 1, 2], 5)
+    with pytest.raises(InvalidArgumentError):
+        planner.allocated("a", [0, 1], 3 * BS)  # fewer blocks than the match
+    assert planner.take_loads() == ((), ())
+
+
+def test_saves_are_whole_real_blocks_each_once_and_never_known_ones() -> None:
+    h = chain(4)
+    index = FakeIndex(known={h[1]})
+    planner = TransferPlanner(index, BS)
+    assert planner.scheduled("a", 0, 6, block_ids=[10, 11], hashes=h[:1]) == BlockRun("a", (h[0],), (10,))
+    # 6 -> 14 tokens: blocks 1, 2 full (1 is known stored); block 3 needs 16 tokens
+    run = planner.scheduled("a", 6, 8, new_block_ids=[12, 13], hashes=h)
+    assert run is None  # the planner kept the first hashes list it was given: only one hash known
+    planner = TransferPlanner(index, BS)
+    assert planner.scheduled("b", 0, 14, block_ids=[10, 11, 12, 13], hashes=h) == BlockRun("b", (h[0], h[2]), (10, 12))
+    assert planner.scheduled("b", 14, 1, hashes=h) is None  # 15 tokens: block 3 not full yet
+    assert planner.scheduled("b", 15, 1, hashes=h) == BlockRun("b", (h[3],), (13,))
+    assert planner.scheduled("b", 16, 1, hashes=h) is None
+
+
+def test_a_preempted_request_saves_into_its_new_table_and_not_twice() -> None:
+    h = chain(3)
+    planner = TransferPlanner(FakeIndex(), BS)
+    assert planner.scheduled("a", 0, 4, block_ids=[1, 2, 3], hashes=h) == BlockRun("a", (h[0],), (1,))
+    planner.preempted("a")
+    assert planner.scheduled("a", 0, 12, block_ids=[7, 8, 9]) == BlockRun("a", (h[1], h[2]), (8, 9))
+
+
+def test_a_finished_request_is_forgotten_with_its_unsent_loads() -> None:
+    h = chain(3)
+    planner = TransferPlanner(FakeIndex(known=set(h), stored=set(h)), BS)
+    assert planner.match("a", h, 13, 0) == 3 * BS
+    planner.allocated("a", [4, 5, 6], 3 * BS)
+    planner.finished("a")
+    assert planner.take_loads() == ((), ()) and len(planner) == 0
+    assert planner.scheduled("a", 0, 12) is None
+
+
+def test_bad_configuration_is_refused() -> None:
+    for size in (0, -1, True, 2.0):
+        with pytest.raises(ConfigError):
+            TransferPlanner(FakeIndex(), size)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        TransferPlanner(FakeIndex(), 4, lookup_timeout_s=-1)
+    with pytest.raises(InvalidArgumentError):
+        TransferPlanner(FakeIndex(), 4).match("a", chain(2), 9, 3)
+
+
+class PlannerMachine(RuleBasedStateMachine):
+    """Requests over shared prefixes, a store that is not prefix-closed, probes answered late, steps.
+
+    Invariants checked against brute force: a match is the leading run the index knows (capped so the
+    last token is computed); a load maps each hash to the block at its position; every block position
+    of a request is saved at most once, from the table it had, and a hash known stored is never saved.
+    """
+
+    @initialize(stored=st.sets(st.integers(0, 11)), known_share=st.integers(0, 3))
+    def setup(self, stored: set[int], known_share: int) -> None:
+        self.hashes = chain(12, "p")  # one shared chain: requests are prefixes of it
+        stored_hashes = {self.hashes[i] for i in stored}
+        known = {h for i, h in enumerate(self.hashes) if h in stored_hashes and i % 4 < known_share}
+        self.index = FakeIndex(stored=stored_hashes, known=known)
+        self.planner = TransferPlanner(self.index, BS)
+        self.requests: dict[str, dict] = {}
+        self.saved: set[tuple[str, int]] = set()
+        self.next_block = 0
+
+    @rule(length=st.integers(1, 48), computed_blocks=st.integers(0, 12))
+    def match(self, length: int, computed_blocks: int) -> None:
+        rid = f"r{self.next_block}"  # never reused
+        computed = min(computed_blocks, length // BS) * BS
+        hashes = self.hashes[: length // BS]
+        got = self.planner.match(rid, hashes, length, computed)
+        if got is None:
+            self.index.answer_all()
+            got = self.planner.match(rid, hashes, length, computed)
+        limit = min(len(hashes), (length - 1) // BS)
+        expected = 0
+        for h in hashes[computed // BS : limit]:
+            if h not in self.index.known:
+                break
+            expected += 1
+        assert got == expected * BS
+        table = list(range(self.next_block, self.next_block + len(hashes) + 1))
+        self.next_block += len(table)
+        self.planner.allocated(rid, table, got)
+        for run in self.planner.take_loads()[0]:
+            assert run.request_id == rid
+            first = computed // BS
+            assert run.hashes == tuple(hashes[first : first + len(run.hashes)])
+            assert run.block_ids == tuple(table[first : first + len(run.hashes)])
+        self.requests[rid] = {"hashes": hashes, "table": table, "done": computed + got, "length": length}
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), tokens=st.integers(1, 20))
+    def step(self, data: st.DataObject, tokens: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        req = self.requests[rid]
+        table = req["table"] if "scheduled" not in req else None
+        req["scheduled"] = True
+        run = self.planner.scheduled(rid, req["done"], tokens, block_ids=table)
+        req["done"] += tokens
+        if run is not None:
+            for h, b in zip(run.hashes, run.block_ids, strict=True):
+                position = self.hashes.index(h)
+                assert position < min(len(req["hashes"]), req["done"] // BS)
+                assert b == req["table"][position]
+                assert (rid, position) not in self.saved
+                assert h not in self.index.known
+                self.saved.add((rid, position))
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        self.planner.finished(rid)
+        del self.requests[rid]
+
+    @invariant()
+    def tracks_only_live_requests(self) -> None:
+        if hasattr(self, "planner"):
+            assert len(self.planner) == len(self.requests)
+
+
+PlannerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=25, deadline=None)
+test_planner_machine = PlannerMachine.TestCase

@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from kvblocks import KVCacheManager
+from kvblocks.errors import ConfigError
 from kvblocks.events import BlockStored, EventBatch, EventConsumer, EventPublisher, EventSink
 from kvblocks.hashing import block_hashes, vllm_int_hash
 from kvblocks.interop.zmq_events import END_SEQ, ZmqEventPublisher, ZmqEventSubscriber, pump_subscriber
@@ -226,3 +227,36 @@ def test_a_malformed_payload_is_counted_and_the_next_batch_resets(fleet: Any) ->
     _until(lambda: sub.last_seq == 2, lambda: pump_subscriber(sub, consumer, timeout_s=0.05, on_batch=seen.append))
     assert sub.malformed == 1 and [(b.seq, b.snapshot) for b in seen] == [(0, False), (2, True)]
     assert not consumer.needs_resync
+
+
+def test_a_binding_subscriber_reads_an_engine_whose_pub_socket_connects() -> None:
+    """vLLM's PUB socket connects when its endpoint has no '*': the consumer binds, and reads batches 0, 1."""
+    from kvblocks.interop.engine_wire import encode_engine_batch
+
+    sub = ZmqEventSubscriber("tcp://127.0.0.1:*", worker="w0", topic="kv", bind=True)
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    try:
+        assert sub.endpoint.startswith("tcp://127.0.0.1:") and not sub.endpoint.endswith("*")
+        pub.connect(sub.endpoint)
+        hashes = _vllm_hashes(list(range(8)), int_form=False)
+        batches = [
+            EventBatch("w0", 0, 1.0, (BlockStored((hashes[0],), None, "device", None, block_size=4),)),
+            EventBatch("w0", 1, 2.0, (BlockStored((hashes[1],), hashes[0], "device", None, block_size=4),)),
+        ]
+        frames = [(b"kv", b.seq.to_bytes(8, "big"), encode_engine_batch(b, int_hashes=False)) for b in batches]
+        got: list[EventBatch] = []
+        # A PUB socket that connects drops what it sends before it has taken in the subscription (vLLM's first
+        # batches are lost so; its replay socket recovers them): send batch 0 until it arrives (a repeat is
+        # dropped by the subscriber as a duplicate), then batch 1.
+        _until(lambda: bool(got), lambda: (pub.send_multipart(frames[0]), got.extend(sub.receive(0.05, 10))))
+        pub.send_multipart(frames[1])
+        _until(lambda: len(got) == 2, lambda: got.extend(sub.receive(0.05, 10)))
+        assert [b.seq for b in got] == [0, 1]
+        assert [e.block_hashes for b in got for e in b.events] == [(hashes[0],), (hashes[1],)]
+        assert sub.gaps == 0
+    finally:
+        pub.close()
+        sub.close()
+    with pytest.raises(ConfigError):
+        ZmqEventSubscriber("tcp://127.0.0.1:*", worker="w0", bind="yes")  # type: ignore[arg-type]

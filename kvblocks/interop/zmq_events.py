@@ -351,7 +351,10 @@ class ZmqEventSubscriber:
     """Reads one engine's ZMQ KV event stream as kvblocks :class:`EventBatch` es of producer ``worker``.
 
     Connects a SUB socket to ``endpoint`` (only messages whose topic is exactly ``topic``, any when it is
-    empty) and a DEALER to the engine's ``replay_endpoint``. See the module docstring for gaps, replays and
+    empty) and a DEALER to the engine's ``replay_endpoint``. With ``bind=True`` the SUB socket binds
+    ``endpoint`` instead: a vLLM engine whose ``kv_events_config.endpoint`` has no ``*`` (say
+    ``tcp://127.0.0.1:5557``) connects its PUB socket to it, so the consumer must be the side that binds
+    (bind before the engine starts; ``self.endpoint`` is the address bound, its port resolved). See the module docstring for gaps, replays and
     resets. Counters: ``received`` (live messages), ``gaps``, ``replays`` (requests sent), ``replayed``
     (batches recovered through them), ``resets`` (snapshots standing in for what could not be recovered),
     ``restarts``, ``duplicates``, ``malformed`` (messages or payloads that did not decode).
@@ -367,8 +370,11 @@ class ZmqEventSubscriber:
         dialect: Dialect = "vllm",
         replay_timeout_s: float = 1.0,
         context: Any = None,
+        bind: bool = False,
     ) -> None:
         zmq = require_zmq()
+        if not isinstance(bind, bool):
+            raise ConfigError(f"bind must be a bool, got {bind!r}")
         if type(worker) is not str or not worker:
             raise ConfigError(f"worker must be a non-empty str, got {worker!r}")
         if isinstance(replay_timeout_s, bool) or not isinstance(replay_timeout_s, int | float) or replay_timeout_s <= 0:
@@ -385,8 +391,13 @@ class ZmqEventSubscriber:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         self._dealer = None
+        self.endpoint = endpoint
         try:
-            self._sub.connect(endpoint)
+            if bind:
+                self._sub.bind(endpoint)
+                self.endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._sub.connect(endpoint)
             if replay_endpoint is not None:
                 self._dealer = self._ctx.socket(zmq.DEALER)
                 self._dealer.setsockopt(zmq.LINGER, 0)

@@ -203,6 +203,11 @@ class StorageTier:
                 if noting:
                     self._note(False, dropped)
 
+    def forget(self, hashes: Sequence[BlockHash]) -> None:
+        """Stop reporting ``hashes`` as stored: a reader elsewhere (another process's tier) found their
+        entries missing or unusable. A later probe or write may learn them again."""
+        self._forget(hashes)
+
     def _forget(self, hashes: Sequence[BlockHash]) -> None:
         with self._lock:
             index = self._index

@@ -48,6 +48,9 @@ class FakeIndex:
     def is_answered(self, pid: int) -> bool:
         return pid in self.answered
 
+    def forget(self, hashes: Sequence[bytes]) -> None:
+        self.known -= set(hashes)
+
     def answer_all(self) -> None:
         for pid, hashes in self.pending.items():
             self.known |= {h for h in hashes if h in self.stored}
@@ -148,6 +151,33 @@ def test_saves_are_whole_real_blocks_each_once_and_never_known_ones() -> None:
     assert planner.scheduled("b", 14, 1, hashes=h) is None  # 15 tokens: block 3 not full yet
     assert planner.scheduled("b", 15, 1, hashes=h) == BlockRun("b", (h[3],), (13,))
     assert planner.scheduled("b", 16, 1, hashes=h) is None
+
+
+def test_requests_sharing_a_prefix_in_one_step_save_its_blocks_once() -> None:
+    h = chain(3)
+    planner = TransferPlanner(FakeIndex(), BS)
+    assert planner.scheduled("a", 0, 12, block_ids=[0, 1, 2], hashes=h) == BlockRun("a", tuple(h), (0, 1, 2))
+    assert planner.scheduled("b", 0, 12, block_ids=[0, 1, 5], hashes=h[:2] + [b"other"]) == BlockRun(
+        "b", (b"other",), (5,)
+    )
+    forgetful = TransferPlanner(FakeIndex(), BS, recent_saves=1)  # remembers only the last planned save
+    forgetful.scheduled("a", 0, 12, block_ids=[0, 1, 2], hashes=h)
+    assert forgetful.scheduled("b", 0, 12, block_ids=[3, 4, 5], hashes=h) == BlockRun("b", tuple(h[:2]), (3, 4))
+
+
+def test_a_failed_load_is_forgotten_and_its_recomputed_blocks_saved_again() -> None:
+    h = chain(5)
+    index = FakeIndex(known=set(h), stored=set(h))
+    planner = TransferPlanner(index, BS)
+    assert planner.match("a", h, 20, 0) == 4 * BS
+    planner.allocated("a", [10, 11, 12, 13, 14], 4 * BS)
+    (run,), _ = planner.take_loads()
+    assert run.block_ids == (10, 11, 12, 13)
+    # the workers loaded blocks 10 and 11; 12 was corrupt, so vLLM recomputes 12 and 13 (from the first failure)
+    assert planner.load_failed({12, 13, 99}) == 2  # 99 is no load of this planner's
+    assert index.known == {h[0], h[1], h[4]}
+    assert planner.scheduled("a", 8, 12, block_ids=[10, 11, 12, 13, 14]) == BlockRun("a", (h[2], h[3]), (12, 13))
+    assert planner.load_failed({12}) == 0  # reported once
 
 
 def test_a_preempted_request_saves_into_its_new_table_and_not_twice() -> None:

@@ -230,6 +230,14 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 saves.append(run)
         return saves
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        failed = getattr(connector_output, "invalid_block_ids", None)
+        if failed:
+            try:
+                self.planner.load_failed(failed)
+            except Exception as error:  # a stale index costs misses, never wrong KV
+                self._plan_error("load_failed", error)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.planner.finished(request.request_id)
         return False, None  # saves copy their blocks in the step that fills them: nothing holds the blocks

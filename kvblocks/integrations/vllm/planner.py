@@ -15,9 +15,13 @@ values (hashes, token counts, block ids), so every rule is tested without an eng
                                                      (22 - 1) // 4 = 5 blocks can ever be loaded
 
 * **allocated** (``update_state_after_alloc``): the blocks vLLM gave for the matched tokens become a load.
+  A load the workers report failed (``update_connector_output``'s invalid block ids, :meth:`load_failed`)
+  makes the index forget those hashes -- the store does not hold them usable -- and the blocks vLLM
+  recomputes in their place are saved again.
 * **step** (``build_connector_meta``): each scheduled request's blocks that this step's forward pass
   fills are saved -- only whole blocks whose tokens are all real (drafts excluded), each once, and
-  never one the index already knows is stored (a loaded block, one saved before).
+  never one the index already knows is stored (a loaded block, one saved before) or one planned for
+  saving lately (requests sharing a prefix fill the same blocks in the same step).
 
 What crosses to the workers is a :class:`StepPlan`: runs of (hash, block id) to load before the
 forward pass and to save after it.
@@ -26,7 +30,8 @@ forward pass and to save after it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +51,8 @@ class StorageIndex(Protocol):
     def probe(self, hashes: Sequence[BlockHash]) -> int | None: ...
 
     def is_answered(self, request_id: int) -> bool: ...
+
+    def forget(self, hashes: Sequence[BlockHash]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -89,7 +96,10 @@ class TransferPlanner:
         *,
         lookup_timeout_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        recent_saves: int = 1 << 16,
     ) -> None:
+        """``recent_saves``: how many planned saves are remembered to plan none of them twice (the oldest are
+        forgotten first; the index knows a save only once it has landed)."""
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
         if isinstance(lookup_timeout_s, bool) or not isinstance(lookup_timeout_s, int | float) or lookup_timeout_s < 0:
@@ -102,6 +112,11 @@ class TransferPlanner:
         self._probes: dict[Hashable, tuple[int, float]] = {}  # request -> (probe id, deadline)
         self._loads: list[BlockRun] = []
         self._failed: list[int] = []
+        self._planned: OrderedDict[BlockHash, None] = OrderedDict()  # hashes lately planned for saving
+        self._loading: dict[int, tuple[Hashable, int]] = {}  # block id -> (request, position) of its last load
+        if isinstance(recent_saves, bool) or not isinstance(recent_saves, int) or recent_saves < 0:
+            raise ConfigError(f"recent_saves must be an int >= 0, got {recent_saves!r}")
+        self._recent_saves = recent_saves
         self.blocks_matched = 0
         """Blocks answered as loadable, over all matches."""
 
@@ -166,9 +181,10 @@ class TransferPlanner:
             raise InvalidArgumentError(
                 f"request {request_id!r}: blocks {first}..{stop - 1} to load, but {len(block_ids)} allocated"
             )
-        self._loads.append(
-            BlockRun(request_id, tuple(tracked.hashes[first:stop]), tuple(int(b) for b in block_ids[first:stop]))
-        )
+        run = BlockRun(request_id, tuple(tracked.hashes[first:stop]), tuple(int(b) for b in block_ids[first:stop]))
+        self._loads.append(run)
+        for position, block in enumerate(run.block_ids, first):
+            self._loading[block] = (request_id, position)
         tracked.num_saved = max(tracked.num_saved, stop)  # loaded blocks are stored already
 
     # ------------------------------------------------------------------ steps
@@ -200,10 +216,40 @@ class TransferPlanner:
             return None
         tracked.num_saved = full
         is_known = self.index.is_known
-        picked = [(h, tracked.block_ids[i]) for i, h in enumerate(tracked.hashes[start:full], start) if not is_known(h)]
+        planned = self._planned
+        picked = [
+            (h, tracked.block_ids[i])
+            for i, h in enumerate(tracked.hashes[start:full], start)
+            if h not in planned and not is_known(h)
+        ]
         if not picked:
             return None
+        for h, _ in picked:
+            planned[h] = None
+        while len(planned) > self._recent_saves:
+            planned.popitem(last=False)
         return BlockRun(request_id, tuple(h for h, _ in picked), tuple(b for _, b in picked))
+
+    def load_failed(self, block_ids: Iterable[int]) -> int:
+        """The workers could not load ``block_ids`` (vLLM recomputes them): the index forgets their hashes and
+        each request saves its recomputed blocks again from the first that failed. Returns how many of the
+        ids were loads of this planner's."""
+        forgotten: list[BlockHash] = []
+        for block in block_ids:
+            entry = self._loading.pop(block, None)
+            if entry is None:
+                continue
+            request_id, position = entry
+            tracked = self._requests.get(request_id)
+            if tracked is None or position >= len(tracked.hashes):
+                continue
+            forgotten.append(tracked.hashes[position])
+            tracked.num_saved = min(tracked.num_saved, position)
+        for h in forgotten:
+            self._planned.pop(h, None)
+        if forgotten:
+            self.index.forget(forgotten)
+        return len(forgotten)
 
     def fail(self, block_ids: Sequence[int]) -> None:
         """vLLM expects ``block_ids`` loaded but no load was planned (a plan that went wrong): they are

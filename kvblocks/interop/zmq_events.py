@@ -354,10 +354,12 @@ class ZmqEventSubscriber:
     empty) and a DEALER to the engine's ``replay_endpoint``. With ``bind=True`` the SUB socket binds
     ``endpoint`` instead: a vLLM engine whose ``kv_events_config.endpoint`` has no ``*`` (say
     ``tcp://127.0.0.1:5557``) connects its PUB socket to it, so the consumer must be the side that binds
-    (bind before the engine starts; ``self.endpoint`` is the address bound, its port resolved). See the module docstring for gaps, replays and
-    resets. Counters: ``received`` (live messages), ``gaps``, ``replays`` (requests sent), ``replayed``
-    (batches recovered through them), ``resets`` (snapshots standing in for what could not be recovered),
-    ``restarts``, ``duplicates``, ``malformed`` (messages or payloads that did not decode).
+    (bind before the engine starts; ``self.endpoint`` is the address bound, its port resolved).
+
+    See the module docstring for gaps, replays and resets. Counters: ``received`` (live messages),
+    ``gaps``, ``replays`` (requests sent), ``replayed`` (batches recovered through them), ``resets``
+    (snapshots standing in for what could not be recovered), ``restarts``, ``duplicates``, ``malformed``
+    (messages or payloads that did not decode).
     """
 
     def __init__(

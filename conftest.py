@@ -7,3 +7,5 @@ import importlib.util
 # The optional integrations import their library at module level: without it installed, their doctests
 # cannot be collected (the tests under tests/ skip themselves with importorskip).
 collect_ignore = [] if importlib.util.find_spec("transformers") else ["kvblocks/integrations/transformers.py"]
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore.append("kvblocks/integrations/vllm/connector.py")

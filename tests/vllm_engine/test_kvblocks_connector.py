@@ -154,3 +154,41 @@ def test_a_bad_extra_config_stops_the_engine_at_start(make_llm: Any, tmp_path: P
         make_llm(kv_transfer_config=_config({"path": str(tmp_path), "max_pending_writes": 0}))
     chain = [caught.value, caught.value.__cause__, caught.value.__context__]
     assert any(isinstance(e, ConfigError) for e in chain) or "max_pending_writes" in str(caught.value)
+
+
+def test_blocks_saved_under_preemption_are_sound(make_llm: Any, tmp_path: Path) -> None:
+    """A cache too small for the batch preempts requests and reuses their blocks; what was saved must still be
+    the KV of its hash: a fresh engine loading it reproduces a roomy engine's outputs exactly."""
+    prompts = [p + p[:40] for p in _prompts()]  # 277 to 346 tokens: 9 to 11 blocks each, 14 with their outputs
+    reference = _generate(make_llm(), prompts)
+    config = _config({"path": str(tmp_path / "store")})
+    tight = make_llm(kv_transfer_config=config, kv_cache_memory_bytes=24 * 32 * 1024, max_model_len=512)
+    assert _generate(tight, prompts) == reference
+    assert metric(tight, "vllm:num_preemptions") > 0
+    _, worker = _connectors(tight)
+    assert worker.tier.flush(30.0) and worker.stats.save_blocks > 0
+    fresh = make_llm(kv_transfer_config=config)
+    assert _generate(fresh, prompts) == reference
+    assert metric(fresh, "vllm:external_prefix_cache_hits") > 0
+
+
+def test_an_aborted_request_leaves_only_sound_blocks(make_llm: Any, tmp_path: Path) -> None:
+    """A request aborted mid-decode: its blocks go back to vLLM at once; every block saved must be sound."""
+    prompts = _prompts()
+    reference = _generate(make_llm(), prompts)
+    config = _config({"path": str(tmp_path / "store")})
+    a = make_llm(kv_transfer_config=config)
+    engine = a.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, greedy(64))
+    engine.step()  # the prefills
+    engine.step()
+    engine.abort_request(["r1", "r2"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    scheduler, worker = _connectors(a)
+    assert len(scheduler.planner) == 0  # finished and aborted requests alike are forgotten
+    assert worker.tier.flush(30.0) and worker.stats.save_blocks > 0
+    fresh = make_llm(kv_transfer_config=config)
+    assert _generate(fresh, prompts) == reference
+    assert metric(fresh, "vllm:external_prefix_cache_hits") > 0

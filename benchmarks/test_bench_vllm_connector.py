@@ -1,0 +1,224 @@
+"""The vLLM connector's hot paths against the raw I/O and hashing they wrap, paired in one run.
+
+Run without vLLM: each side calls the vLLM-free pieces exactly as
+:class:`~kvblocks.integrations.vllm.connector.KVBlocksConnector` calls them.
+
+* **save** (``wait_for_save`` + the writer): ``LayerBlocks.read(block_ids)`` copies one step's
+  blocks out of the per-layer KV tensors, ``StorageTier.save`` encodes them (header, checksum, key
+  binding) and queues them, ``flush`` waits for the writer thread to put them in a
+  :class:`~kvblocks.tiers.FileStorage`. Baseline: ``FileStorage.put`` of the same payload bytes,
+  already in hand. Fresh hashes and keys every round, so neither side skips an entry as stored.
+* **load** (``start_load_kv``): ``StorageTier.read(hashes)`` (get, decode, checksum) then
+  ``LayerBlocks.write`` into the block ids vLLM gave. Baseline: ``FileStorage.get`` of the same keys.
+* **match** (``get_num_new_matched_tokens`` for a 2k-token prompt, and ``request_finished``):
+  ``TransferPlanner.match`` over a real ``StorageTier`` whose index learned the prompt's blocks
+  from saves, so the answer comes at once (no probe). Baseline: hashing the prompt with the
+  vLLM-compatible scheme, which vLLM does for every request anyway.
+
+Blocks: vLLM's CPU layout, one tensor per layer ``[num_blocks, kv_heads, block_size, 2 * head_dim]``,
+all views of one buffer, bf16. ``llama3-8b-bs16``: Llama-3-8B (32 layers, 8 KV heads, head_dim 128)
+at vLLM's default block size of 16 tokens -- 2 MiB a block, the most common deployment shape and
+the size ``test_bench_storage`` measures FileStorage at; ``llama3.2-1b-bs32``: Llama-3.2-1B (16
+layers, 8 KV heads, head_dim 64) at the CPU backend's block size of 32 -- 1 MiB. A step moves
+32 MiB (16 or 32 blocks, scattered ids). Ratios are paired (:mod:`benchmarks.paired`): baseline
+time / connector time, median of the rounds.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvblocks.hashing import BlockHash, Namespace, block_hashes
+from kvblocks.integrations.vllm.kv_format import VllmKVFormat
+from kvblocks.integrations.vllm.planner import TransferPlanner
+from kvblocks.tiers import FileStorage
+from kvblocks.tiers.config import TierConfig
+from kvblocks.tiers.storage_tier import StorageTier
+
+from .paired import paired_ratio
+
+torch = pytest.importorskip("torch")
+from kvblocks.integrations.vllm.block_copy import LayerBlocks  # noqa: E402  - needs torch
+
+STEP_BYTES = 32 << 20
+SAVE_ROUNDS = 15  # each round writes 2 x 32 MiB of fresh files
+
+
+@dataclass(frozen=True)
+class Model:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.kv_heads, self.block_size, 2 * self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        kv_heads, block_size, width = self.block_shape
+        return self.layers * kv_heads * block_size * width * 2  # bf16
+
+
+MODELS = {
+    "llama3-8b-bs16": Model(layers=32, kv_heads=8, head_dim=128, block_size=16),
+    "llama3.2-1b-bs32": Model(layers=16, kv_heads=8, head_dim=64, block_size=32),
+}
+
+
+class Worker:
+    """A worker's KV tensors and storage tier, as the connector sets them up."""
+
+    def __init__(self, model: Model, root: Path) -> None:
+        self.model = model
+        self.per_step = STEP_BYTES // model.bytes_per_block
+        num_blocks = 2 * self.per_step
+        # one buffer, one view per layer (what vLLM registers on CPU)
+        buffer = torch.empty(model.layers, num_blocks, *model.block_shape, dtype=torch.bfloat16).uniform_(-4, 4)
+        self.blocks = LayerBlocks({f"model.layers.{i}.self_attn.attn": buffer[i] for i in range(model.layers)})
+        self.format = VllmKVFormat("bench/llama", "bfloat16", model.layers, model.block_shape, model.block_size)
+        self.storage = FileStorage(root / "connector")
+        self.tier = StorageTier(
+            TierConfig(storage=self.storage, entry_format=self.format.entry_format),
+            Namespace(self.format.model),
+            self.format.scheme,
+            model.block_size,
+        )
+        self.block_ids = sorted(random.Random(7).sample(range(num_blocks), self.per_step))  # scattered
+        self._rng = random.Random(11)
+
+    def fresh_hashes(self) -> list[BlockHash]:
+        return [self._rng.randbytes(32) for _ in range(self.per_step)]
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+@pytest.fixture(params=list(MODELS))
+def worker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Worker]:
+    made = Worker(MODELS[request.param], tmp_path)
+    try:
+        yield made
+    finally:
+        made.close()
+        shutil.rmtree(tmp_path, ignore_errors=True)  # up to ~1 GB of entries: not left for pytest's keep-3
+
+
+def test_save_throughput(benchmark, worker: Worker, tmp_path: Path) -> None:
+    tier, blocks, ids = worker.tier, worker.blocks, worker.block_ids
+    payloads = [bytes(p) for p in blocks.read(ids)]
+    raw = FileStorage(tmp_path / "raw")
+    raw_rounds = iter(range(1 << 30))
+
+    def baseline() -> None:
+        keys = [f"vllm-sha256.raw.b{next(raw_rounds):08x}" for _ in payloads]
+        if raw.put(list(zip(keys, payloads, strict=True))) != len(payloads):
+            raise AssertionError("raw put dropped entries")
+
+    def connector() -> None:
+        tier.save(worker.fresh_hashes(), blocks.read(ids))  # wait_for_save
+        if not tier.flush(60.0):
+            raise AssertionError("the writer did not drain")
+
+    ratio = paired_ratio(
+        benchmark,
+        f"vllm-connector-save-{worker.model.block_size}tok-{worker.model.bytes_per_block >> 20}MiB-paired",
+        "connector save (read + save + flush)",
+        baseline,
+        connector,
+        baseline_name="FileStorage.put of the payloads",
+        target=0.8,
+        rounds=SAVE_ROUNDS,
+    )
+    writer = tier.writer.stats
+    # every block was written, none skipped as stored or dropped: both sides did the same work
+    assert ratio > 0 and writer.written == writer.submitted == len(raw) == len(worker.storage)
+    assert writer.skipped_existing == writer.dropped == writer.failed == 0
+
+
+def test_load_throughput(benchmark, worker: Worker) -> None:
+    tier, blocks, ids = worker.tier, worker.blocks, worker.block_ids
+    hashes = worker.fresh_hashes()
+    tier.save(hashes, blocks.read(ids))
+    assert tier.flush(60.0)
+    expected = [bytes(p) for p in blocks.read(ids)]
+    keys = [key for h in hashes for key in tier.keys_of(h)]
+    targets = list(reversed(ids))  # load into other blocks than the ones saved from
+    got: list[int] = []
+
+    def baseline() -> None:
+        if None in worker.storage.get(keys):
+            raise AssertionError("an entry is missing")
+
+    def connector() -> None:
+        outcome = tier.read(hashes)  # start_load_kv
+        blocks.write(targets, [parts[0] for parts in outcome.payloads])
+        got.append(len(outcome.payloads))
+
+    ratio = paired_ratio(
+        benchmark,
+        f"vllm-connector-load-{worker.model.block_size}tok-{worker.model.bytes_per_block >> 20}MiB-paired",
+        "connector load (read + write)",
+        baseline,
+        connector,
+        baseline_name="FileStorage.get of the keys",
+        target=0.8,
+    )
+    assert ratio > 0 and set(got) == {len(ids)}
+    assert [bytes(p) for p in blocks.read(targets)] == expected  # the blocks arrived whole, in order
+
+
+PROMPT_TOKENS = 2048
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_match_cost_vs_hashing_the_prompt(benchmark, tmp_path: Path, block_size: int) -> None:
+    prompt = [random.Random(block_size).randrange(128_000) for _ in range(PROMPT_TOKENS)]
+    namespace = Namespace(salt="0")  # the engine's PYTHONHASHSEED
+
+    def hash_prompt() -> list[BlockHash]:
+        return block_hashes(prompt, block_size, scheme="vllm-sha256", namespace=namespace)
+
+    hashes = hash_prompt()
+    fmt = VllmKVFormat("bench/llama", "bfloat16", 1, (1, block_size, 2), block_size)  # the index ignores sizes
+    tier = StorageTier(
+        TierConfig(storage=FileStorage(tmp_path / "index"), entry_format=fmt.entry_format),
+        Namespace(fmt.model),
+        fmt.scheme,
+        block_size,
+    )
+    try:
+        payload = bytes(fmt.entry_format.payload_length)
+        tier.save(hashes, [payload] * len(hashes))  # the index learns the prompt's blocks from its saves
+        assert tier.flush(30.0)
+        planner = TransferPlanner(tier, block_size)
+        ids = iter(range(1 << 30))
+        answers: list[int | None] = []
+
+        def match() -> None:
+            request_id = f"req-{next(ids)}"
+            answers.append(planner.match(request_id, hashes, PROMPT_TOKENS, 0))
+            planner.finished(request_id)
+
+        ratio = paired_ratio(
+            benchmark,
+            f"vllm-connector-match-2k-bs{block_size}-paired",
+            "planner match + finished",
+            hash_prompt,
+            match,
+            baseline_name=f"vllm-sha256 hashing of {PROMPT_TOKENS} tokens",
+            target=1.0,
+            repeat=20,
+        )
+    finally:
+        tier.close()
+    # every answer is the whole prompt but its last token, in whole blocks, found in the index (no probe)
+    assert ratio > 0 and set(answers) == {(PROMPT_TOKENS - 1) // block_size * block_size}
+    assert tier.stats.probes == 0 and len(planner) == 0

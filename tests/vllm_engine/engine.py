@@ -4,6 +4,8 @@ imports vLLM, torch or transformers at import time: the main test environment im
 from __future__ import annotations
 
 import gc
+import random
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -65,3 +67,17 @@ def metric(llm: Any, name: str, **labels: str) -> float:
         if m.name == name and hasattr(m, "value") and all(m.labels.get(k) == v for k, v in labels.items()):
             total += m.value
     return total
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    """``n`` token ids (never 0) of the tiny model's vocabulary, the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB_SIZE) for _ in range(n)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

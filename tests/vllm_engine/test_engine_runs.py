@@ -9,27 +9,13 @@ committed vectors).
 
 from __future__ import annotations
 
-import random
-import socket
 from typing import Any
 
 from kvblocks.hashing import block_hashes, vllm_int_hash
 from kvblocks.interop.engine_wire import EngineEventDecoder
-from tests.vllm_engine.engine import BLOCK_SIZE, VOCAB_SIZE, greedy, metric
+from tests.vllm_engine.engine import BLOCK_SIZE, free_port, greedy, metric, random_prompt
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, VOCAB_SIZE) for _ in range(n)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _generate(llm: Any, prompt: list[int], max_tokens: int = 8) -> Any:
@@ -39,7 +25,7 @@ def _generate(llm: Any, prompt: list[int], max_tokens: int = 8) -> Any:
 
 def test_repeated_greedy_prompt_is_served_from_the_prefix_cache(make_llm: Any) -> None:
     llm = make_llm()
-    prompt = _prompt(199, seed=1)
+    prompt = random_prompt(199, seed=1)
     first = _generate(llm, prompt)
     assert metric(llm, "vllm:prefix_cache_hits") == 0
     second = _generate(llm, prompt)
@@ -77,7 +63,7 @@ def _replay(ctx: Any, endpoint: str, start: int) -> list[tuple[bytes, int, bytes
 def test_kv_events_decode_and_name_blocks_by_kvblocks_hashes(make_llm: Any) -> None:
     import zmq
 
-    pub_port, replay_port = _free_port(), _free_port()
+    pub_port, replay_port = free_port(), free_port()
     ctx: Any = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -93,14 +79,14 @@ def test_kv_events_decode_and_name_blocks_by_kvblocks_hashes(make_llm: Any) -> N
                 "topic": "kv",
             }
         )
-        first, second = _prompt(150, seed=2), _prompt(100, seed=3)
+        first, second = random_prompt(150, seed=2), random_prompt(100, seed=3)
         _generate(llm, first)
         _generate(llm, second)
         # The live stream: ZMQ's slow joiner drops what vLLM publishes before our subscription reaches its PUB
         # socket (seen: the first batches of a fresh engine), so keep publishing fresh blocks until one arrives.
         live: list[tuple[int, bytes]] = []
         for seed in range(100, 140):
-            _generate(llm, _prompt(40, seed=seed))
+            _generate(llm, random_prompt(40, seed=seed))
             while sub.poll(250):
                 topic, seq, payload = sub.recv_multipart()
                 live.append((int.from_bytes(seq, "big"), payload))

@@ -185,7 +185,8 @@ class EntryFormat:
             raise ConfigError(f"payload is {len(view)} bytes, the format says {self.payload_length}")
         bound = _UNBOUND if key is None else key_digest(key)
         checksum = xxhash.xxh3_64_intdigest(view)
-        return self._prefix + bound.to_bytes(8, "little") + checksum.to_bytes(8, "little") + view.tobytes()
+        # one copy of the payload (a join of views), not two (tobytes, then a concatenation)
+        return b"".join((self._prefix, bound.to_bytes(8, "little"), checksum.to_bytes(8, "little"), view))
 
     def decode(
         self, data: bytes | bytearray | memoryview | None, key: str | None = None

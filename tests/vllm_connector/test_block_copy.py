@@ -103,3 +103,18 @@ def test_layers_that_disagree_are_refused() -> None:
 def test_layer_order_is_numeric() -> None:
     names = [f"model.layers.{i}.self_attn.attn" for i in (10, 2, 1, 0, 11)]
     assert sorted(names, key=layer_order) == [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10, 11)]
+
+
+def test_the_device_path_moves_the_same_bytes_as_the_host_path() -> None:
+    """Off the host (a GPU), blocks move by torch gather/scatter; on CPU that path must agree byte for byte."""
+    source = layers(3, torch.bfloat16)
+    host_path = LayerBlocks(source)
+    device_path = LayerBlocks(source)
+    device_path._host = None  # what a CUDA tensor gets
+    ids = [5, 1, 3]
+    assert [bytes(p) for p in device_path.read(ids)] == [bytes(p) for p in host_path.read(ids)]
+    target = layers(3, torch.bfloat16, shared=False)
+    writer = LayerBlocks(target)
+    writer._host = None
+    writer.write([0, 2, 4], host_path.read(ids))
+    assert [expected_payload(target, b) for b in (0, 2, 4)] == [expected_payload(source, b) for b in ids]

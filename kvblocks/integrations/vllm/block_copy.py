@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from kvblocks.backends._torch import torch
 from kvblocks.errors import ConfigError, InvalidArgumentError
 
@@ -60,33 +62,55 @@ class LayerBlocks:
         self.device = first.device
         self.bytes_per_layer_block = first[0].numel() * first.element_size()
         self.bytes_per_block = self.bytes_per_layer_block * len(tensors)
+        # On the host, each layer as a writable numpy view of its bytes, [num_blocks, ...]: a block moves as one
+        # memcpy per layer on the calling thread (torch's gather/scatter kernels fan out to threads that stall
+        # whenever the engine's other threads hold the cores, and allocate a fresh buffer per call).
+        self._host = [t.view(torch.uint8).numpy() for t in tensors] if first.device.type == "cpu" else None
+        self._read_buffer = np.empty(0, dtype=np.uint8)
 
-    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def _checked(self, block_ids: Sequence[int]) -> list[int]:
         for b in block_ids:
             if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks:
                 raise InvalidArgumentError(f"block id {b!r} is not an int in 0..{self.num_blocks - 1}")
-        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return list(block_ids)
 
     def read(self, block_ids: Sequence[int]) -> list[memoryview]:
-        """The payloads of ``block_ids``, copied out of the tensors now (the blocks may be reused at once)."""
-        if not block_ids:
+        """The payloads of ``block_ids``, copied out of the tensors now (the blocks may be reused at once).
+
+        The views share one buffer this object reuses: they hold until the next :meth:`read` (a caller such
+        as :meth:`~kvblocks.tiers.storage_tier.StorageTier.save` copies them before it returns).
+        """
+        ids = self._checked(block_ids)
+        if not ids:
             return []
-        index = self._ids(block_ids)
-        # [blocks, layers, *block_shape] on the host: one gather per layer, one copy to host
-        stacked = torch.stack([t.index_select(0, index) for t in self._tensors], dim=1).cpu().contiguous()
-        flat = memoryview(stacked.view(torch.uint8).numpy().data).cast("B")
         size = self.bytes_per_block
-        return [flat[i * size : (i + 1) * size] for i in range(len(block_ids))]
+        if self._host is None:
+            index = torch.tensor(ids, dtype=torch.long, device=self.device)
+            # [blocks, layers, *block_shape] on the host: one gather per layer, one copy to host
+            stacked = torch.stack([t.index_select(0, index) for t in self._tensors], dim=1).cpu().contiguous()
+            flat = stacked.view(torch.uint8).numpy().reshape(-1)
+        else:
+            if self._read_buffer.size < len(ids) * size:
+                self._read_buffer = np.empty(len(ids) * size, dtype=np.uint8)
+            flat = self._read_buffer
+            per = self.bytes_per_layer_block
+            for i, b in enumerate(ids):
+                start = i * size
+                for layer, host in enumerate(self._host):
+                    offset = start + layer * per
+                    flat[offset : offset + per] = host[b].reshape(-1)
+        view = memoryview(flat)  # type: ignore[arg-type]
+        return [view[i * size : (i + 1) * size] for i in range(len(ids))]
 
     def write(self, block_ids: Sequence[int], payloads: Sequence[object]) -> None:
         """Copy ``payloads`` (bytes-like, one block each) into ``block_ids``. Checks every payload first:
         a wrong length raises :class:`InvalidArgumentError` and writes nothing."""
         if len(block_ids) != len(payloads):
             raise InvalidArgumentError(f"{len(block_ids)} blocks but {len(payloads)} payloads")
-        if not block_ids:
+        ids = self._checked(block_ids)
+        if not ids:
             return
-        index = self._ids(block_ids)
-        if len(set(block_ids)) != len(block_ids):
+        if len(set(ids)) != len(ids):
             raise InvalidArgumentError("a block id appears twice in one write")
         size = self.bytes_per_block
         views = []
@@ -98,6 +122,15 @@ class LayerBlocks:
             if len(view) != size:
                 raise InvalidArgumentError(f"a block payload is {len(view)} bytes, a block is {size}")
             views.append(view)
+        if self._host is not None:
+            per = self.bytes_per_layer_block
+            for b, view in zip(ids, views, strict=True):
+                source = np.frombuffer(view, dtype=np.uint8)
+                for layer, host in enumerate(self._host):
+                    block = host[b]
+                    np.copyto(block, source[layer * per : (layer + 1) * per].reshape(block.shape))
+            return
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
         staging = torch.empty((len(views), size), dtype=torch.uint8)
         host = staging.numpy()
         for i, view in enumerate(views):

@@ -35,8 +35,8 @@ def _config(extra: dict[str, Any], connector: dict[str, str] = CONNECTOR) -> dic
     return {**connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
-def _generate(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(MAX_TOKENS), use_tqdm=False)
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -158,17 +158,20 @@ def test_a_bad_extra_config_stops_the_engine_at_start(make_llm: Any, tmp_path: P
 
 def test_blocks_saved_under_preemption_are_sound(make_llm: Any, tmp_path: Path) -> None:
     """A cache too small for the batch preempts requests and reuses their blocks; what was saved must still be
-    the KV of its hash: a fresh engine loading it reproduces a roomy engine's outputs exactly."""
-    prompts = [p + p[:40] for p in _prompts()]  # 277 to 346 tokens: 9 to 11 blocks each, 14 with their outputs
-    reference = _generate(make_llm(), prompts)
+    the KV of its hash: a fresh engine loading it reproduces a roomy engine's outputs exactly.
+
+    22 blocks of 32 tokens (one of them vLLM's null block): two prompts of 9 and 10 blocks fit at once, but
+    64 generated tokens take each two blocks further (11 + 12 > 21), so one of them is preempted."""
+    prompts = [p + p[:40] for p in _prompts()]  # 277 to 346 tokens: 9 to 11 blocks each
+    reference = _generate(make_llm(), prompts, 64)
     config = _config({"path": str(tmp_path / "store")})
-    tight = make_llm(kv_transfer_config=config, kv_cache_memory_bytes=24 * 32 * 1024, max_model_len=512)
-    assert _generate(tight, prompts) == reference
+    tight = make_llm(kv_transfer_config=config, kv_cache_memory_bytes=22 * 32 * 1024, max_model_len=512)
+    assert _generate(tight, prompts, 64) == reference
     assert metric(tight, "vllm:num_preemptions") > 0
     _, worker = _connectors(tight)
     assert worker.tier.flush(30.0) and worker.stats.save_blocks > 0
     fresh = make_llm(kv_transfer_config=config)
-    assert _generate(fresh, prompts) == reference
+    assert _generate(fresh, prompts, 64) == reference
     assert metric(fresh, "vllm:external_prefix_cache_hits") > 0
 
 

@@ -176,30 +176,7 @@ def _vllm_workers() -> dict[str, Any]:
             probe = raw["A"][0]
             assert ku.maybe_convert_block_hash(ku.BlockHash(probe)) == convert(probe)  # vLLM's own conversion
         events = script(convert, with_clear)
-        batches = [ke.KVEventBatch(ts=1_700_000_000.0 + k, events=evs) for k, evs in enumerate(events)]
-
-        def make(endpoint: str, replay: str, rank: int = rank, steps: int = buffer_steps) -> Any:
-            # vLLM adds the DP rank to the port: hand it the port less the rank.
-            def shift(address: str, rank: int = rank) -> str:
-                return address.rsplit(":", 1)[0] + ":" + str(int(address.rsplit(":", 1)[1]) - rank)
-
-            return ke.ZmqEventPublisher(rank, shift(endpoint), shift(replay), buffer_steps=steps, topic=TOPIC)
-
-        plain = [[_plain(e) for e in evs] for evs in events]
-        live, replay = _record(make, batches, replay_from)
-        workers.append(
-            {
-                "name": name,
-                "dp_rank": rank,
-                "int_hashes": int_hashes,
-                "buffer_steps": buffer_steps,
-                "timestamps": [b.ts for b in batches],
-                "script": plain,
-                "live": live,
-                "replay_from": replay_from,
-                "replay": replay,
-            }
-        )
+        workers.append(_worker(ke, name, rank, events, 1_700_000_000.0, int_hashes, buffer_steps, replay_from))
     return {
         "engine": "vllm",
         "version": vllm.__version__,
@@ -210,6 +187,41 @@ def _vllm_workers() -> dict[str, Any]:
         "topic": TOPIC,
         "prompts": prompts,
         "workers": workers,
+    }
+
+
+def _worker(
+    ke: Any,
+    name: str,
+    rank: int,
+    events: list[list[Any]],
+    ts0: float,
+    int_hashes: bool,
+    buffer_steps: int,
+    replay_from: int,
+) -> dict[str, Any]:
+    """One worker's record: its script of events, published by the engine's own ZMQ publisher (``ke``, vLLM's or
+    SGLang's kv_events module) as one batch per step from ``ts0`` on, what a subscriber got live and by replay."""
+    batches = [ke.KVEventBatch(ts=ts0 + k, events=evs) for k, evs in enumerate(events)]
+
+    def make(endpoint: str, replay: str) -> Any:
+        # the engines add the DP rank to the port: hand them the port less the rank
+        def shift(address: str) -> str:
+            return address.rsplit(":", 1)[0] + ":" + str(int(address.rsplit(":", 1)[1]) - rank)
+
+        return ke.ZmqEventPublisher(rank, shift(endpoint), shift(replay), buffer_steps=buffer_steps, topic=TOPIC)
+
+    live, replay = _record(make, batches, replay_from)
+    return {
+        "name": name,
+        "dp_rank": rank,
+        "int_hashes": int_hashes,
+        "buffer_steps": buffer_steps,
+        "timestamps": [b.ts for b in batches],
+        "script": [[_plain(e) for e in evs] for evs in events],
+        "live": live,
+        "replay_from": replay_from,
+        "replay": replay,
     }
 
 
@@ -259,29 +271,7 @@ def _sglang_workers() -> dict[str, Any]:
         ("sglang-0", 0, common, 10_000, 1),
         ("sglang-1", 1, second, 3, 2),
     ):
-        batches = [ke.KVEventBatch(ts=1_700_000_100.0 + k, events=evs) for k, evs in enumerate(events)]
-
-        def make(endpoint: str, replay: str, rank: int = rank, steps: int = buffer_steps) -> Any:
-            def shift(address: str, rank: int = rank) -> str:
-                return address.rsplit(":", 1)[0] + ":" + str(int(address.rsplit(":", 1)[1]) - rank)
-
-            return ke.ZmqEventPublisher(rank, shift(endpoint), shift(replay), buffer_steps=steps, topic=TOPIC)
-
-        plain = [[_plain(ev) for ev in evs] for evs in events]
-        live, replay = _record(make, batches, replay_from)
-        workers.append(
-            {
-                "name": name,
-                "dp_rank": rank,
-                "int_hashes": True,
-                "buffer_steps": buffer_steps,
-                "timestamps": [b.ts for b in batches],
-                "script": plain,
-                "live": live,
-                "replay_from": replay_from,
-                "replay": replay,
-            }
-        )
+        workers.append(_worker(ke, name, rank, events, 1_700_000_100.0, True, buffer_steps, replay_from))
     return {
         "engine": "sglang",
         "version": sglang.__version__,

@@ -377,11 +377,15 @@ class StorageTier:
         """
         checked = tuple(hashes)
         self.stats.loads_requested += len(checked)
+        return self._read_or_miss(checked)
+
+    def _read_or_miss(self, hashes: tuple[BlockHash, ...]) -> LoadOutcome:
+        """:meth:`_read`, where a backend that raises (a bug) makes every block a miss instead of an error."""
         try:
-            return self._read(checked)
-        except Exception:  # a backend bug must not reach the caller: the read becomes a miss
+            return self._read(hashes)
+        except Exception:
             _log.exception("storage read failed")
-            self.stats.load_errors += len(checked)
+            self.stats.load_errors += len(hashes)
             return LoadOutcome(())
 
     def cancel(self, request_id: int) -> None:
@@ -410,20 +414,17 @@ class StorageTier:
             request = self._requests.get()
             if request is None:
                 return
-            try:
-                if request.load:
-                    self._queued_loads.pop(request.id, None)
-                    if not request.cancelled:  # a freed or timed-out admission's read is not worth doing
-                        self._results.put((request.id, self._read(request.hashes)))
-                else:
-                    with self._lock:
-                        self._queued_probes -= 1
+            if request.load:
+                self._queued_loads.pop(request.id, None)
+                if not request.cancelled:  # a freed or timed-out admission's read is not worth doing
+                    self._results.put((request.id, self._read_or_miss(request.hashes)))
+            else:
+                with self._lock:
+                    self._queued_probes -= 1
+                try:
                     self._probe(request.hashes)
-            except Exception:  # a backend bug must not kill the reader: the read becomes a miss
-                _log.exception("storage read failed")
-                self.stats.load_errors += len(request.hashes) if request.load else 0
-                if request.load:
-                    self._results.put((request.id, LoadOutcome(())))
+                except Exception:  # a backend bug must not kill the reader: the probe finds nothing
+                    _log.exception("storage read failed")
             self._healthy = True
             with self._progress:
                 self._answered += 1

@@ -117,8 +117,6 @@ class TransferPlanner:
         if isinstance(recent_saves, bool) or not isinstance(recent_saves, int) or recent_saves < 0:
             raise ConfigError(f"recent_saves must be an int >= 0, got {recent_saves!r}")
         self._recent_saves = recent_saves
-        self.blocks_matched = 0
-        """Blocks answered as loadable, over all matches."""
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -162,7 +160,6 @@ class TransferPlanner:
     def _answer(self, request_id: Hashable, tracked: _Tracked, num_computed: int, run: int) -> int:
         self._probes.pop(request_id, None)
         tracked.matched_from = num_computed
-        self.blocks_matched += run
         return run * self.block_size
 
     def allocated(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:

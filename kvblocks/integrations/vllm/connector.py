@@ -220,12 +220,10 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for i, request_id in enumerate(cached.req_ids):
             groups = cached.new_block_ids[i]
             fresh = groups[0] if groups else []
-            if request_id in resumed:
-                run = planner.scheduled(request_id, cached.num_computed_tokens[i], real(request_id), block_ids=fresh)
-            else:
-                run = planner.scheduled(
-                    request_id, cached.num_computed_tokens[i], real(request_id), new_block_ids=fresh
-                )
+            # a resumed request's new block ids are its whole table; a running one's extend it
+            table, more = (fresh, ()) if request_id in resumed else (None, fresh)
+            computed = cached.num_computed_tokens[i]
+            run = planner.scheduled(request_id, computed, real(request_id), block_ids=table, new_block_ids=more)
             if run is not None:
                 saves.append(run)
         return saves

@@ -47,6 +47,13 @@ RATIOS = [
         Ratio(f"route-2k-{n}", "route", "hash only", 0.5, "route (hash + score) vs hashing alone (0.5 = 2x)")
         for n in (8, 64)
     ),
+    Ratio("fleet-apply", "kvblocks", "dict floor", None, "events into the index vs a bare dict of worker masks"),
+    Ratio("fleet-route-2k", "route", "hash only", 1.0, "scoring a 2k prompt at 1k workers vs hashing it"),
+    Ratio("fleet-route-32k", "route 32k", "route 2k head", 0.25, "sublinear walk: 16x the run, <= 4x the time"),
+    Ratio("fleet-overlaps-2k", "overlaps", "route", 1.0, "overlaps no slower than a route (idle workers cost 0)"),
+    Ratio("dynamo-route-32k", "kvblocks route", "Dynamo find_matches", 1.0, "fully cached 32k, 512 workers"),
+    Ratio("dynamo-route-2k", "kvblocks route", "Dynamo find_matches", 1.0, "typical 2k prompts, 512 workers"),
+    Ratio("dynamo-apply", "kvblocks apply_events", "Dynamo apply_event", 1.0, "same events (Dynamo's as JSON)"),
     Ratio("lookup-2k", "kvblocks", "floor", None, "one lookup, 128 cached blocks"),
     Ratio("admit-free-2k", "kvblocks", "floor", None, "admission with 128 hits + free"),
     Ratio("decode-step", "kvblocks", "floor", None, "append + allocate + commit of one token"),

@@ -3,13 +3,14 @@
 Run without vLLM: each side calls the vLLM-free pieces exactly as
 :class:`~kvblocks.integrations.vllm.connector.KVBlocksConnector` calls them.
 
-* **save** (``wait_for_save`` + the writer): ``LayerBlocks.read(block_ids)`` copies one step's
-  blocks out of the per-layer KV tensors, ``StorageTier.save`` encodes them (header, checksum, key
-  binding) and queues them, ``flush`` waits for the writer thread to put them in a
+* **save** (``wait_for_save`` + the writer): ``save_run`` copies each of one step's blocks out of the
+  per-layer KV tensors straight into a pooled entry buffer after its header (``StorageTier.save_built``:
+  header, checksum, key binding) and queues it; ``flush`` waits for the writer thread to put them in a
   :class:`~kvblocks.tiers.FileStorage`. Baseline: ``FileStorage.put`` of the same payload bytes,
   already in hand. Fresh hashes and keys every round, so neither side skips an entry as stored.
-* **load** (``start_load_kv``): ``StorageTier.read(hashes)`` (get, decode, checksum) then
-  ``LayerBlocks.write`` into the block ids vLLM gave. Baseline: ``FileStorage.get`` of the same keys.
+* **load** (``start_load_kv``): ``load_run`` -- ``StorageTier.read_into`` reads each entry straight into
+  the block ids vLLM gave (``FileStorage.get_into``), then checks header, checksum and key. Baseline:
+  ``FileStorage.get`` of the same keys.
 * **match** (``get_num_new_matched_tokens`` for a 2k-token prompt, and ``request_finished``):
   ``TransferPlanner.match`` over a real ``StorageTier`` whose index learned the prompt's blocks
   from saves, so the answer comes at once (no probe). Baseline: hashing the prompt with the
@@ -45,6 +46,7 @@ from .paired import paired_ratio
 
 torch = pytest.importorskip("torch")
 from kvblocks.integrations.vllm.block_copy import LayerBlocks  # noqa: E402  - needs torch
+from kvblocks.integrations.vllm.transfer import load_run, save_run  # noqa: E402  - needs torch
 
 STEP_BYTES = 32 << 20
 SAVE_ROUNDS = 15  # each round writes 2 x 32 MiB of fresh files
@@ -123,7 +125,7 @@ def test_save_throughput(benchmark, worker: Worker, tmp_path: Path) -> None:
             raise AssertionError("raw put dropped entries")
 
     def connector() -> None:
-        tier.save(worker.fresh_hashes(), blocks.read(ids))  # wait_for_save
+        save_run(tier, blocks, worker.fresh_hashes(), ids)  # wait_for_save
         if not tier.flush(60.0):
             raise AssertionError("the writer did not drain")
 
@@ -158,9 +160,7 @@ def test_load_throughput(benchmark, worker: Worker) -> None:
             raise AssertionError("an entry is missing")
 
     def connector() -> None:
-        outcome = tier.read(hashes)  # start_load_kv
-        blocks.write(targets, [parts[0] for parts in outcome.payloads])
-        got.append(len(outcome.payloads))
+        got.append(load_run(tier, blocks, hashes, targets))  # start_load_kv
 
     ratio = paired_ratio(
         benchmark,

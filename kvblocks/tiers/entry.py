@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
@@ -187,6 +188,58 @@ class EntryFormat:
         checksum = xxhash.xxh3_64_intdigest(view)
         # one copy of the payload (a join of views), not two (tobytes, then a concatenation)
         return b"".join((self._prefix, bound.to_bytes(8, "little"), checksum.to_bytes(8, "little"), view))
+
+    @property
+    def entry_length(self) -> int:
+        """Bytes of a whole entry of this format: the header and the payload."""
+        return HEADER.size + self.payload_length
+
+    def encode_into(self, entry: bytearray | memoryview, key: str | None = None) -> None:
+        """Write the header of ``entry`` in place, its payload already at ``entry[HEADER.size:]``.
+
+        ``entry`` then holds exactly what :meth:`encode` of that payload returns, built without a copy:
+        a caller fills the payload straight from its source (the KV tensors) into a reused buffer.
+        """
+        view = memoryview(entry).cast("B")
+        if len(view) != self.entry_length:
+            raise ConfigError(f"an entry buffer is {len(view)} bytes, the format says {self.entry_length}")
+        bound = _UNBOUND if key is None else key_digest(key)
+        checksum = xxhash.xxh3_64_intdigest(view[HEADER.size :])
+        prefix = self._prefix
+        view[: len(prefix)] = prefix
+        view[len(prefix) : HEADER.size] = bound.to_bytes(8, "little") + checksum.to_bytes(8, "little")
+
+    def check_read(
+        self, header: bytes | bytearray | memoryview, length: int | None, payload: Sequence[object], key: str | None
+    ) -> str:
+        """Why an entry read in parts is not a sound entry of this format under ``key`` ("" when it is).
+
+        For a read straight into place (``FileStorage.get_into``): ``length`` is the stored entry's
+        size (None: absent), ``header`` its first ``min(length, HEADER.size)`` bytes, ``payload`` the
+        buffers its payload went into, in order (looked at only when the length is right). Gives the
+        reason :meth:`decode` gives for the same bytes, in the same order of checks; the checksum is
+        streamed over the buffers (xxh3's ``update`` per part equals the one-shot digest).
+        """
+        if length is None:
+            return "absent"
+        head = bytes(header[: min(length, HEADER.size)])
+        if len(head) >= 10 and head[:8] == MAGIC and int.from_bytes(head[8:10], "little") != FORMAT_VERSION:
+            return "other format version"
+        if length < HEADER.size:
+            return "truncated header"
+        prefix = self._prefix
+        if head[: len(prefix)] != prefix:
+            return "bad magic" if head[:8] != MAGIC else "other scheme, dtype, shape or spec"
+        if length != self.entry_length:
+            return "truncated payload" if length < self.entry_length else "overlong payload"
+        digest = xxhash.xxh3_64()
+        for part in payload:
+            digest.update(part)  # type: ignore[arg-type]
+        if digest.intdigest() != int.from_bytes(head[HEADER.size - 8 :], "little"):
+            return "checksum mismatch"
+        if key is not None and int.from_bytes(head[len(prefix) : HEADER.size - 8], "little") != key_digest(key):
+            return "written under another key"
+        return ""
 
     def decode(
         self, data: bytes | bytearray | memoryview | None, key: str | None = None

@@ -18,11 +18,13 @@ counted; a read that fails is a miss, counted.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -33,6 +35,34 @@ from kvblocks.tiers.storage import StorageStats
 __all__ = ["FileStorage"]
 
 _TEMP_PREFIX = ".tmp-"
+_PREADV = getattr(os, "preadv", None)
+_IOV_MAX = 16  # buffers per preadv call: at least this many on every platform, raised below where known
+if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names:
+    _IOV_MAX = max(_IOV_MAX, min(1024, os.sysconf("SC_IOV_MAX")))
+
+
+def _read_fully(handle: io.FileIO, views: list[memoryview]) -> None:
+    """Fill ``views`` from the file's start, in order, until they are full or the file ends.
+
+    ``preadv`` may return short (a signal, the kernel's per-call limits) and takes at most
+    ``IOV_MAX`` buffers: it is called again on what is left, and a read of 0 bytes means the end.
+    """
+    fd = handle.fileno()
+    offset = 0
+    pending = [view for view in views if len(view)]
+    while pending:
+        if _PREADV is not None:
+            got = _PREADV(fd, pending[:_IOV_MAX], offset)
+        else:
+            got = handle.readinto(pending[0]) or 0
+        if got <= 0:
+            return
+        offset += got
+        while pending and got >= len(pending[0]):
+            got -= len(pending[0])
+            pending.pop(0)
+        if got:
+            pending[0] = pending[0][got:]
 
 
 class FileStorage:
@@ -93,7 +123,7 @@ class FileStorage:
 
     # ---------------------------------------------------------------- operations
 
-    def put(self, items: Sequence[tuple[str, bytes]]) -> int:
+    def put(self, items: Sequence[tuple[str, bytes | bytearray]]) -> int:
         checked = [(valid_key(key), value) for key, value in items]
         written = 0
         for key, value in checked:
@@ -113,7 +143,7 @@ class FileStorage:
                 self._remove_files(victims)
         return written
 
-    def _write(self, key: str, value: bytes) -> bool:
+    def _write(self, key: str, value: bytes | bytearray) -> bool:
         path = self._path(key)
         with self._lock:
             self._serial += 1
@@ -165,15 +195,50 @@ class FileStorage:
             if value is None:
                 self.stats.misses += 1
             else:
-                self.stats.hits += 1
-                with self._lock:
-                    if key in self._index:
-                        self._index.move_to_end(key)
-                    else:  # written by another process sharing the directory
-                        self._index[key] = len(value)
-                        self._bytes += len(value)
+                self._note_hit(key, len(value))
             out.append(value)
         return out
+
+    def get_into(self, key: str, buffers: Sequence[Any]) -> int | None:
+        """Read the entry under ``key`` straight into ``buffers``, in order; its length, or None for a miss.
+
+        The entry's first ``min(length, sum of the buffers)`` bytes land in the buffers (one ``preadv``
+        where the platform has it): no fresh memory, no second copy, e.g. ``[header, layer0[b], ...,
+        layer{L-1}[b]]`` puts a block's KV straight into place. A length other than the buffers' total
+        says the entry is short or long; the caller checks the bytes (:meth:`EntryFormat.check_read`).
+        Counted as :meth:`get` counts one key.
+        """
+        valid_key(key)
+        views = [
+            buffer
+            if type(buffer) is memoryview and buffer.format == "B" and buffer.ndim == 1
+            else memoryview(buffer).cast("B")
+            for buffer in buffers
+        ]
+        self.stats.gets += 1
+        try:
+            with open(self._path(key), "rb", buffering=0) as handle:
+                length = os.fstat(handle.fileno()).st_size
+                _read_fully(handle, views)
+        except FileNotFoundError:
+            self._forget(key)
+            self.stats.misses += 1
+            return None
+        except OSError:
+            self.stats.get_errors += 1
+            self.stats.misses += 1
+            return None
+        self._note_hit(key, length)
+        return length
+
+    def _note_hit(self, key: str, size: int) -> None:
+        self.stats.hits += 1
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+            else:  # written by another process sharing the directory
+                self._index[key] = size
+                self._bytes += size
 
     def _forget(self, key: str) -> None:
         with self._lock:

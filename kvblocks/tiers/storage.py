@@ -50,7 +50,7 @@ class StorageBackend(Protocol):
 
     stats: StorageStats
 
-    def put(self, items: Sequence[tuple[str, bytes]]) -> int:
+    def put(self, items: Sequence[tuple[str, bytes | bytearray]]) -> int:
         """Store entries; returns how many were written (failures are dropped and counted)."""
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -101,7 +101,7 @@ class MemoryStorage:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, items: Sequence[tuple[str, bytes]]) -> int:
+    def put(self, items: Sequence[tuple[str, bytes | bytearray]]) -> int:
         checked = [(valid_key(key), bytes(value)) for key, value in items]
         with self._lock:
             for key, value in checked:

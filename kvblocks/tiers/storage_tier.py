@@ -36,7 +36,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,9 +45,9 @@ from kvblocks.event_codec import BlockStored, is_group_tag
 from kvblocks.events import EventSink, record_changes
 from kvblocks.hashing import BlockHash, Namespace
 from kvblocks.tiers.config import TierConfig
-from kvblocks.tiers.entry import EntryFormat, block_key, namespace_tag
+from kvblocks.tiers.entry import HEADER, EntryFormat, block_key, namespace_tag
 from kvblocks.tiers.storage import StorageBackend
-from kvblocks.tiers.writer import AsyncWriter
+from kvblocks.tiers.writer import AsyncWriter, EntryPool
 
 __all__ = ["LoadOutcome", "StorageTier", "StorageTierStats"]
 
@@ -55,6 +55,8 @@ _log = logging.getLogger("kvblocks.tiers")
 _MAX_QUEUED_PROBES = 256
 _FOREIGN = frozenset({"other format version", "other scheme, dtype, shape or spec"})
 _WRONG_KEY = "written under another key"
+ENTRY_POOL_BYTES = 256 << 20
+"""Idle entry buffers a tier keeps for :meth:`StorageTier.save_built` (the most a pool holds unused)."""
 
 Payload = memoryview
 
@@ -97,6 +99,21 @@ class _Request:
     cancelled: bool = field(default=False)
 
 
+def _byte_view(buffer: Any) -> memoryview:
+    """``buffer`` as a flat memoryview of bytes (itself when it already is one: loads pass many)."""
+    if type(buffer) is memoryview and buffer.format == "B" and buffer.ndim == 1:
+        return buffer
+    return memoryview(buffer).cast("B")
+
+
+def _scatter(payload: memoryview, views: list[memoryview]) -> None:
+    """Copy ``payload`` across ``views`` in order (their lengths add up to the payload's)."""
+    offset = 0
+    for view in views:
+        view[:] = payload[offset : offset + len(view)]
+        offset += len(view)
+
+
 class StorageTier:
     """Keys, index, writer and reader of one manager's storage tier (see the module docstring)."""
 
@@ -113,11 +130,13 @@ class StorageTier:
         events: EventSink | None = None,
         group: int | None = None,
         group_kind: str | None = None,
+        entry_pool_bytes: int = ENTRY_POOL_BYTES,
     ) -> None:
         """``entry_format`` / ``tag`` (default: the config's format, the namespace's tag) let a hybrid
         manager's local group store under keys and a header of its own in the same backend; only the
         tier that ``owns_backend`` closes it. ``events`` receives the index's changes (see the module
-        docstring), tagged ``group`` / ``group_kind``."""
+        docstring), tagged ``group`` / ``group_kind``. ``entry_pool_bytes``: the most idle entry
+        buffers :meth:`save_built` keeps for reuse (at least one buffer)."""
         entry_format = entry_format if entry_format is not None else config.entry_format
         if config.storage is None or entry_format is None:
             raise ConfigError("StorageTier needs a TierConfig with storage and entry_format")
@@ -153,6 +172,9 @@ class StorageTier:
         self._progress = threading.Condition()
         self._requested = 0  # reads queued (loads and probes) ...
         self._answered = 0  # ... and answered: equal when the reader is idle
+        if isinstance(entry_pool_bytes, bool) or not isinstance(entry_pool_bytes, int) or entry_pool_bytes < 0:
+            raise ConfigError(f"entry_pool_bytes must be an int >= 0, got {entry_pool_bytes!r}")
+        self.entry_pool = EntryPool(entry_format.entry_length, max(1, entry_pool_bytes // entry_format.entry_length))
         self.writer = AsyncWriter(self.backend, max_pending=config.max_pending_writes, on_stored=self._on_stored)
         self._reader = threading.Thread(target=self._read_loop, name="kvblocks-storage-reader", daemon=True)
         self._reader.start()
@@ -318,6 +340,34 @@ class StorageTier:
         self.stats.saves_queued += len(hashes)
         self.writer.submit(items)
 
+    def save_built(self, hashes: Sequence[BlockHash], fill: Callable[[int, memoryview], None]) -> None:
+        """Queue entries for ``hashes``, each built in place: ``fill(i, payload)`` writes block ``i``'s payload.
+
+        ``payload`` is the part of a pooled entry buffer after its header (exactly the format's payload
+        length): ``fill`` copies the block straight there (e.g. from the KV tensors), the header and
+        checksum are written in front of it, and the buffer goes to the writer without another copy --
+        queued at once, so the writer thread puts one entry while the next is being filled. The writer
+        hands each buffer back to :attr:`entry_pool` once its entry is written, skipped or dropped. What
+        ``fill`` raises propagates; the entries already queued stay queued. One shard per block only.
+        """
+        if len(self._ranks) != 1:
+            raise InvalidArgumentError(f"save_built builds one shard per block; this tier has {len(self._ranks)}")
+        pool, encode_into = self.entry_pool, self.format.encode_into
+        for i, h in enumerate(hashes):
+            (key,) = self.keys_of(h)
+            entry = pool.take()
+            try:
+                with memoryview(entry) as view:
+                    fill(i, view[HEADER.size :])
+                    encode_into(view, key)
+            except BaseException:
+                pool.give(entry)
+                raise
+            with self._lock:
+                self._saving[key] = h
+            self.stats.saves_queued += 1
+            self.writer.submit([(key, entry)], pool=pool)
+
     def _on_stored(self, keys: list[str]) -> None:
         """Writer thread: entries are stored; a hash is known once every rank's shard is."""
         done: list[BlockHash] = []
@@ -437,7 +487,19 @@ class StorageTier:
             return self._progress.wait_for(lambda: self._answered >= target, timeout)
 
     def _read(self, hashes: tuple[BlockHash, ...]) -> LoadOutcome:
-        """One batched get; decode every shard; keep the leading run whose shards are all sound.
+        """One batched get; decode every shard; keep the leading run whose shards are all sound."""
+        shards = len(self._ranks)
+        keys = [key for h in hashes for key in self.keys_of(h)]
+        values = self.backend.get(keys)
+        decode = self.format.decode
+        decoded = [decode(value, key) for value, key in zip(values, keys, strict=True)]
+        usable = self._settle(hashes, keys, [reason for _, reason in decoded])
+        run = [payload for payload, _ in decoded[: usable * shards] if payload is not None]  # all sound, by _settle
+        return LoadOutcome(tuple(tuple(run[i * shards : (i + 1) * shards]) for i in range(usable)))
+
+    def _settle(self, hashes: tuple[BlockHash, ...], keys: list[str], reasons: list[str]) -> int:
+        """Count and clean up after a read whose shard ``keys[i]`` was found ``reasons[i]`` ("" sound);
+        returns how many leading ``hashes`` have every shard sound.
 
         Corrupt entries (bad magic, short, checksum mismatch) and entries written under another
         key are deleted (the writer skips keys that exist, so they would block the rightful
@@ -445,21 +507,16 @@ class StorageTier:
         its readers. Hashes that failed leave the index.
         """
         shards = len(self._ranks)
-        keys = [key for h in hashes for key in self.keys_of(h)]
-        values = self.backend.get(keys)
-        decode = self.format.decode
-        decoded: list[tuple[Payload, ...]] = []
         failed: list[BlockHash] = []
         corrupt: list[str] = []
         misplaced: list[str] = []
-        absent = foreign = 0
+        absent = foreign = usable = 0
         for i, h in enumerate(hashes):
-            parts = []
+            sound = 0
             for j in range(shards):
-                key = keys[i * shards + j]
-                payload, reason = decode(values[i * shards + j], key)
-                if payload is not None:
-                    parts.append(payload)
+                key, reason = keys[i * shards + j], reasons[i * shards + j]
+                if not reason:
+                    sound += 1
                 elif reason == "absent":
                     absent += 1
                 elif reason in _FOREIGN:
@@ -468,11 +525,10 @@ class StorageTier:
                     misplaced.append(key)
                 else:
                     corrupt.append(key)
-            if len(parts) < shards:
+            if sound < shards:
                 failed.append(h)
-            elif len(failed) == 0:
-                decoded.append(tuple(parts))
-        usable = len(decoded)
+            elif not failed:
+                usable += 1
         if corrupt or misplaced:
             _log.warning(
                 "%d corrupt storage entries and %d written under another key removed", len(corrupt), len(misplaced)
@@ -487,7 +543,75 @@ class StorageTier:
         stats.loads_corrupt += len(corrupt)
         stats.loads_wrong_key += len(misplaced)
         stats.loads_beyond_a_miss += max(0, len(hashes) - usable - 1)
-        return LoadOutcome(tuple(decoded))
+        return usable
+
+    # ------------------------------------------------------------------ reads into place
+
+    def read_into(self, hashes: Sequence[BlockHash], targets: Sequence[Sequence[Any]]) -> int:
+        """Read ``hashes``' entries straight into ``targets`` on the calling thread; how many leading blocks
+        arrived sound.
+
+        ``targets[i]`` are the writable buffers block ``i``'s payload goes into, in order, together
+        exactly the payload's length (e.g. each layer's view of one KV block). With a backend that reads
+        into place (``FileStorage.get_into``) the bytes go straight there, then are checked: header,
+        checksum (streamed over the buffers), key. Otherwise (Redis) each entry is read and decoded as
+        :meth:`read` does, and copied. The checks, stats and index updates are :meth:`read`'s, and a
+        backend that raises makes every block a miss (counted in ``load_errors``).
+
+        Only the returned leading run holds sound KV: a buffer past it may hold anything -- part of an
+        entry, a corrupt one -- so its block must be recomputed (vLLM: reported as a load error). A tier
+        with several shards per block cannot read into place (:class:`InvalidArgumentError`).
+        """
+        checked = tuple(hashes)
+        parts = self._checked_targets(checked, targets)
+        self.stats.loads_requested += len(checked)
+        try:
+            return self._read_into(checked, parts)
+        except Exception:
+            _log.exception("storage read failed")
+            self.stats.load_errors += len(checked)
+            return 0
+
+    def _checked_targets(
+        self, hashes: tuple[BlockHash, ...], targets: Sequence[Sequence[Any]]
+    ) -> list[list[memoryview]]:
+        if len(self._ranks) != 1:
+            raise InvalidArgumentError(f"read_into reads one shard per block; this tier has {len(self._ranks)}")
+        if len(targets) != len(hashes):
+            raise InvalidArgumentError(f"{len(hashes)} blocks to read but {len(targets)} targets")
+        length = self.format.payload_length
+        out = []
+        for target in targets:
+            try:
+                views = [_byte_view(part) for part in target]
+            except (TypeError, ValueError) as e:
+                raise InvalidArgumentError(f"a read target must be contiguous buffers: {e}") from None
+            if any(view.readonly for view in views):
+                raise InvalidArgumentError("a read target is read-only")
+            if sum(len(view) for view in views) != length:
+                raise InvalidArgumentError(
+                    f"a read target holds {sum(len(view) for view in views)} bytes, the format says {length}"
+                )
+            out.append(views)
+        return out
+
+    def _read_into(self, hashes: tuple[BlockHash, ...], parts: list[list[memoryview]]) -> int:
+        keys = [self.keys_of(h)[0] for h in hashes]
+        fmt = self.format
+        reasons: list[str] = []
+        get_into = getattr(self.backend, "get_into", None)
+        if callable(get_into):
+            header = bytearray(HEADER.size)
+            for key, views in zip(keys, parts, strict=True):
+                length = get_into(key, [header, *views])  # the checks below then read the bytes in place
+                reasons.append(fmt.check_read(header, length, views, key))
+        else:
+            for key, value, views in zip(keys, self.backend.get(keys), parts, strict=True):
+                payload, reason = fmt.decode(value, key)
+                if payload is not None:
+                    _scatter(payload, views)
+                reasons.append(reason)
+        return self._settle(hashes, keys, reasons)
 
     def _probe(self, hashes: tuple[BlockHash, ...]) -> None:
         with self._lock:

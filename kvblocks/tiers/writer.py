@@ -47,7 +47,7 @@ from kvblocks.errors import ConfigError, InvalidArgumentError, SequenceStateErro
 from kvblocks.tiers.entry import valid_key
 from kvblocks.tiers.storage import StorageBackend
 
-__all__ = ["AsyncWriter", "WriterStats"]
+__all__ = ["AsyncWriter", "EntryPool", "WriterStats"]
 
 _log = logging.getLogger("kvblocks.tiers")
 
@@ -71,11 +71,61 @@ class WriterStats:
         return replace(self)
 
 
+class EntryPool:
+    """Reusable entry buffers of one size: a writer hands each back once its entry is resolved.
+
+    An entry built in place (header, then the block copied straight from the KV tensors) needs a
+    buffer per block; fresh 2 MiB buffers cost a page fault per 4 KiB on every save. The pool keeps
+    at most ``max_free`` returned buffers (a bound on idle memory) and makes a new one when none is
+    free: :meth:`take` never waits. A buffer is taken by one owner at a time -- the caller filling it,
+    then the writer's queue -- and comes back only when the writer is done with it (written, failed,
+    skipped or dropped), so a buffer still queued is never handed out again.
+    """
+
+    def __init__(self, size: int, max_free: int) -> None:
+        self.size = _positive_int(size, "size")
+        self.max_free = _positive_int(max_free, "max_free")
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+        self.created = 0  # buffers made because none was free
+        self.reused = 0  # buffers handed out again
+
+    @property
+    def free(self) -> int:
+        """Buffers idle in the pool now."""
+        return len(self._free)
+
+    def take(self) -> bytearray:
+        """A buffer of :attr:`size` bytes, owned by the caller until it is given back (contents: anything)."""
+        with self._lock:
+            if self._free:
+                self.reused += 1
+                return self._free.pop()
+            self.created += 1
+        return bytearray(self.size)
+
+    def give(self, buffer: bytearray) -> None:
+        """Return a buffer taken from this pool; its owner must not touch it any more."""
+        with self._lock:
+            if len(self._free) < self.max_free and type(buffer) is bytearray and len(buffer) == self.size:
+                self._free.append(buffer)
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     seq: int  # order of acceptance; flush() waits for every seq up to the one it saw
     key: str
-    value: bytes
+    value: bytes | bytearray
+    pool: EntryPool | None = None  # where the value goes back once the entry is resolved (None: a copy)
+
+    def release(self) -> None:
+        if self.pool is not None:
+            self.pool.give(self.value)  # type: ignore[arg-type]  # pooled values are bytearrays
+
+
+def _release(entries: Sequence[_Entry]) -> None:
+    for entry in entries:
+        entry.release()
 
 
 def _positive_int(value: object, what: str) -> int:
@@ -92,20 +142,28 @@ def _check_timeout(timeout: float | None) -> float | None:
     return float(timeout)
 
 
-def _checked_items(items: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+def _checked_items(
+    items: Sequence[tuple[str, bytes | bytearray]], pool: EntryPool | None
+) -> list[tuple[str, bytes | bytearray]]:
     """Valid ``(key, bytes)`` pairs, values copied; raises before anything is queued.
 
     Values are copied because the write happens later, and a caller may reuse a
-    ``bytearray`` or a view of a staging buffer as soon as ``submit`` returns.
+    ``bytearray`` or a view of a staging buffer as soon as ``submit`` returns -- except
+    buffers of ``pool``, which the writer owns from then on and hands back itself.
     """
     if isinstance(items, (str, bytes, bytearray, memoryview)) or not isinstance(items, Sequence):
         raise InvalidArgumentError(f"items must be a sequence of (key, bytes) pairs, got {type(items).__name__}")
-    checked = []
+    checked: list[tuple[str, bytes | bytearray]] = []
     for index, item in enumerate(items):
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise InvalidArgumentError(f"items[{index}] must be a (key, bytes) pair, got {item!r:.80}")
         key, value = item
         valid_key(key)
+        if pool is not None:
+            if type(value) is not bytearray or len(value) != pool.size:
+                raise InvalidArgumentError(f"items[{index}] value must be a bytearray of the pool's {pool.size} bytes")
+            checked.append((key, value))
+            continue
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise InvalidArgumentError(f"items[{index}] value must be bytes-like, got {type(value).__name__}")
         checked.append((key, bytes(value)))
@@ -165,14 +223,17 @@ class AsyncWriter:
         """True once :meth:`close` has begun; ``submit`` refuses entries from then on."""
         return self._closed
 
-    def submit(self, items: Sequence[tuple[str, bytes]]) -> int:
+    def submit(self, items: Sequence[tuple[str, bytes | bytearray]], *, pool: EntryPool | None = None) -> int:
         """Queue entries for writing; returns how many were queued (keys already queued are skipped).
 
         Never waits for I/O: a full queue drops its oldest entry instead. Raises
         :class:`InvalidArgumentError` for a malformed item (nothing is queued then) and
-        :class:`SequenceStateError` once the writer is closed.
+        :class:`SequenceStateError` once the writer is closed. With ``pool``, every value is a
+        buffer taken from it: queued without a copy, and given back to the pool once resolved
+        (written, failed, skipped or dropped); after a raise the caller still owns them.
         """
-        checked = _checked_items(items)
+        checked = _checked_items(items, pool)
+        released: list[_Entry] = []
         with self._lock:
             if self._closed:
                 raise SequenceStateError("submit() on a closed AsyncWriter")
@@ -181,12 +242,13 @@ class AsyncWriter:
             for key, value in checked:
                 if key in self._queue:
                     self.stats.skipped_existing += 1
+                    released.append(_Entry(0, key, value, pool))
                     continue
                 if len(self._queue) >= self._max_pending:
-                    self._queue.popitem(last=False)
+                    released.append(self._queue.popitem(last=False)[1])
                     dropped += 1
                 self._last_seq += 1
-                self._queue[key] = _Entry(self._last_seq, key, value)
+                self._queue[key] = _Entry(self._last_seq, key, value, pool)
                 queued += 1
             self.stats.submitted += len(checked)
             self.stats.dropped += dropped
@@ -194,7 +256,8 @@ class AsyncWriter:
                 self._work.notify()
             if dropped:
                 self._progress.notify_all()
-            return queued
+        _release(released)
+        return queued
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every entry submitted before this call is resolved; False on timeout.
@@ -228,9 +291,11 @@ class AsyncWriter:
         with self._lock:
             self._stopping = True
             self.stats.dropped += len(self._queue)
+            left = list(self._queue.values())
             self._queue.clear()
             self._work.notify_all()
             self._progress.notify_all()
+        _release(left)
         if threading.current_thread() is not self._thread:
             self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
@@ -256,6 +321,7 @@ class AsyncWriter:
             try:
                 self._write(batch)
             finally:
+                _release(batch)  # put() has returned: nothing reads the buffers any more
                 with self._lock:
                     self._in_flight = []
                     self._progress.notify_all()

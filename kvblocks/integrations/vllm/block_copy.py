@@ -67,12 +67,51 @@ class LayerBlocks:
         # whenever the engine's other threads hold the cores, and allocate a fresh buffer per call).
         self._host = [t.view(torch.uint8).numpy() for t in tensors] if first.device.type == "cpu" else None
         self._read_buffer = np.empty(0, dtype=np.uint8)
+        # Each layer as one flat byte memoryview where blocks follow each other in it: a block's view is then a
+        # slice (about 0.1 us, against about 1 us for a numpy reshape), and a load takes one per layer per block.
+        per = self.bytes_per_layer_block
+        self._flat: list[memoryview] | None = None
+        if self._host is not None and all(h.flags.c_contiguous and h.strides[0] == per for h in self._host):
+            self._flat = [memoryview(h).cast("B") for h in self._host]  # type: ignore[arg-type]
 
     def _checked(self, block_ids: Sequence[int]) -> list[int]:
         for b in block_ids:
             if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks:
                 raise InvalidArgumentError(f"block id {b!r} is not an int in 0..{self.num_blocks - 1}")
         return list(block_ids)
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the KV tensors are in host memory: blocks can then be read and written in place."""
+        return self._host is not None
+
+    def views(self, block_id: int) -> list[memoryview]:
+        """Block ``block_id`` of every layer, in layer order, as flat writable byte views of the tensors.
+
+        Together they are the block's payload: ``FileStorage.get_into`` reads an entry straight into
+        them (no staging copy). Host tensors only (:class:`ConfigError` otherwise).
+        """
+        if self._host is None:
+            raise ConfigError(f"blocks on {self.device} have no host views")
+        (b,) = self._checked([block_id])
+        if self._flat is not None:
+            per = self.bytes_per_layer_block
+            start = b * per
+            return [flat[start : start + per] for flat in self._flat]
+        return [memoryview(host[b].reshape(-1)) for host in self._host]
+
+    def copy_out(self, block_id: int, out: memoryview) -> None:
+        """Copy block ``block_id``'s payload into ``out`` (exactly :attr:`bytes_per_block` bytes): one memcpy per
+        layer straight into, e.g., an entry buffer after its header. Host tensors only."""
+        if self._host is None:
+            raise ConfigError(f"blocks on {self.device} have no host views")
+        (b,) = self._checked([block_id])
+        target = np.frombuffer(out, dtype=np.uint8)
+        if target.size != self.bytes_per_block:
+            raise InvalidArgumentError(f"a block payload is {self.bytes_per_block} bytes, the buffer {target.size}")
+        per = self.bytes_per_layer_block
+        for layer, host in enumerate(self._host):
+            np.copyto(target[layer * per : (layer + 1) * per], host[b].reshape(-1))
 
     def read(self, block_ids: Sequence[int]) -> list[memoryview]:
         """The payloads of ``block_ids``, copied out of the tensors now (the blocks may be reused at once).

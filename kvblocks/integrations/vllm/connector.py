@@ -3,9 +3,9 @@
 vLLM builds one connector in its scheduler and one in every worker; each half has one job::
 
     scheduler (no I/O)                                  worker (owns the KV tensors)
-    get_num_new_matched_tokens -> TransferPlanner.match   start_load_kv -> StorageTier.read -> LayerBlocks.write
+    get_num_new_matched_tokens -> TransferPlanner.match   start_load_kv -> load_run (read straight into the blocks)
     update_state_after_alloc   -> TransferPlanner.allocated   (what fails: get_block_ids_with_load_errors)
-    build_connector_meta       -> StepPlan (loads, saves) --> wait_for_save -> LayerBlocks.read -> StorageTier.save
+    build_connector_meta       -> StepPlan (loads, saves) --> wait_for_save -> save_run (entries built in place)
     request_finished           -> TransferPlanner.finished                      (copied now, written off-thread)
 
 * A hit is the leading run of whole blocks the storage index knows past vLLM's local hit; an
@@ -42,6 +42,7 @@ from kvblocks.hashing import Namespace
 from kvblocks.integrations.vllm.kv_format import VllmKVFormat
 from kvblocks.integrations.vllm.planner import BlockRun, StepPlan, TransferPlanner
 from kvblocks.integrations.vllm.settings import ConnectorSettings
+from kvblocks.integrations.vllm.transfer import load_run, save_run
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.storage_tier import StorageTier
 
@@ -270,9 +271,7 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
             try:
                 if self.blocks is None:
                     raise ConfigError("no KV caches registered")
-                outcome = self.tier.read(run.hashes)
-                usable = len(outcome.payloads)
-                self.blocks.write(run.block_ids[:usable], [parts[0] for parts in outcome.payloads])
+                usable = load_run(self.tier, self.blocks, run.hashes, run.block_ids)
                 failed = run.block_ids[usable:]
             except Exception as error:  # every block of the run is recomputed
                 self.stats.note_error(f"load: {error!r}")
@@ -293,7 +292,7 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         for run in meta.saves:
             try:
-                self.tier.save(run.hashes, self.blocks.read(run.block_ids))
+                save_run(self.tier, self.blocks, run.hashes, run.block_ids)
                 self.stats.save_blocks += len(run.block_ids)
             except Exception as error:  # a save that fails is a future miss
                 self.stats.save_failed_blocks += len(run.block_ids)

@@ -1,0 +1,364 @@
+"""Reads straight into place (FileStorage.get_into, StorageTier.read_into) and entries built in place
+(EntryFormat.encode_into, StorageTier.save_built, EntryPool). The oracle is the one-shot path:
+EntryFormat.encode / decode and StorageTier.read, which these must agree with byte for byte."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.hashing import Namespace
+from kvblocks.tiers import FileStorage, MemoryStorage
+from kvblocks.tiers.config import TierConfig
+from kvblocks.tiers.entry import HEADER, EntryFormat, block_key
+from kvblocks.tiers.storage_tier import StorageTier
+from kvblocks.tiers.writer import AsyncWriter, EntryPool
+
+FMT = EntryFormat("xxh3-128", "float16", (2, 2, 4, 8), 7, 2 * 2 * 4 * 8 * 2)  # 256-byte payloads
+KEY = block_key("0123456789abcdef", "xxh3-128", b"\x01" * 16, format_tag=FMT.tag)
+OTHER_KEY = block_key("0123456789abcdef", "xxh3-128", b"\x02" * 16, format_tag=FMT.tag)
+SPLITS = [0, 1, 64, 100, 255, 256]
+
+
+def parts_of(sizes: Sequence[int]) -> list[bytearray]:
+    """Buffers of the given sizes covering one payload (what a block's layer views are)."""
+    return [bytearray(n) for n in sizes]
+
+
+def split_sizes(cuts: Sequence[int]) -> list[int]:
+    points = sorted({0, FMT.payload_length, *cuts})
+    return [b - a for a, b in itertools.pairwise(points)]
+
+
+def read_into_reason(storage: FileStorage, key: str, sizes: Sequence[int]) -> tuple[str, bytes]:
+    header = bytearray(HEADER.size)
+    parts = parts_of(sizes)
+    length = storage.get_into(key, [header, *parts])
+    return FMT.check_read(header, length, parts, key), b"".join(parts)
+
+
+# ------------------------------------------------------------------ encode_into == encode
+
+
+@settings(max_examples=100, deadline=None)
+@given(payload=st.binary(min_size=256, max_size=256), bound=st.booleans())
+def test_an_entry_built_in_place_is_the_encoded_entry(payload: bytes, bound: bool) -> None:
+    key = KEY if bound else None
+    entry = bytearray(os.urandom(FMT.entry_length))  # a reused buffer: stale bytes everywhere
+    entry[HEADER.size :] = payload
+    FMT.encode_into(entry, key)
+    assert bytes(entry) == FMT.encode(payload, key)
+
+
+# ------------------------------------------------------------------ get_into vs get + decode
+
+
+@settings(max_examples=60, deadline=None)
+@given(payload=st.binary(min_size=256, max_size=256), cuts=st.lists(st.sampled_from(SPLITS), max_size=4))
+def test_get_into_round_trips_what_get_reads(tmp_path_factory: pytest.TempPathFactory, payload: bytes, cuts) -> None:
+    storage = FileStorage(tmp_path_factory.mktemp("s"))
+    storage.put([(KEY, FMT.encode(payload, KEY))])
+    reason, got = read_into_reason(storage, KEY, split_sizes(cuts))
+    decoded, why = FMT.decode(storage.get([KEY])[0], KEY)
+    assert reason == why == "" and got == bytes(decoded) == payload  # type: ignore[arg-type]
+    assert storage.stats.hits == 2 and storage.stats.misses == 0
+
+
+def damaged(entry: bytes, data: st.DataObject) -> bytes:
+    how = data.draw(st.sampled_from(["flip", "truncate", "extend", "random", "header-only", "tiny"]))
+    if how == "flip":
+        at = data.draw(st.integers(0, len(entry) - 1))
+        return entry[:at] + bytes([entry[at] ^ data.draw(st.integers(1, 255))]) + entry[at + 1 :]
+    if how == "truncate":
+        return entry[: data.draw(st.integers(0, len(entry) - 1))]
+    if how == "extend":
+        return entry + data.draw(st.binary(min_size=1, max_size=300))
+    if how == "header-only":
+        return entry[: HEADER.size]
+    if how == "tiny":
+        return entry[: data.draw(st.integers(0, 12))]
+    return data.draw(st.binary(max_size=2 * len(entry)))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_files_get_the_reason_decode_gives(tmp_path: Path, data: st.DataObject) -> None:
+    """Whatever bytes a file holds, reading into place finds what the one-shot decode finds, never raises."""
+    storage = FileStorage(tmp_path)
+    entry = FMT.encode(data.draw(st.binary(min_size=256, max_size=256)), KEY)
+    raw = damaged(entry, data)
+    path = storage._path(KEY)
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(raw)
+    reason, got = read_into_reason(storage, KEY, split_sizes(data.draw(st.lists(st.sampled_from(SPLITS)))))
+    payload, why = FMT.decode(raw, KEY)
+    assert reason == why
+    if not reason:
+        assert got == bytes(payload)  # type: ignore[arg-type]
+
+
+def test_an_entry_under_another_key_and_a_missing_one(tmp_path: Path) -> None:
+    storage = FileStorage(tmp_path)
+    entry = FMT.encode(bytes(256), OTHER_KEY)
+    path = storage._path(KEY)
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(entry)
+    assert read_into_reason(storage, KEY, [256])[0] == "written under another key"
+    path.unlink()
+    assert read_into_reason(storage, KEY, [256])[0] == "absent"
+    assert storage.stats.misses == 1 and storage.stats.hits == 1
+
+
+def test_an_unreadable_file_is_a_counted_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = FileStorage(tmp_path)
+    storage.put([(KEY, FMT.encode(bytes(256), KEY))])
+    real_open = open
+
+    def denied(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(path).endswith(KEY):
+            raise PermissionError(13, "denied")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", denied)
+    assert storage.get_into(KEY, [bytearray(HEADER.size), bytearray(256)]) is None
+    assert storage.stats.get_errors == 1 and storage.stats.misses == 1
+
+
+def test_more_buffers_than_one_preadv_takes(tmp_path: Path) -> None:
+    storage = FileStorage(tmp_path)
+    payload = os.urandom(256)
+    storage.put([(KEY, FMT.encode(payload, KEY))])
+    reason, got = read_into_reason(storage, KEY, [1] * 256)  # 257 buffers, one byte each ...
+    assert reason == "" and got == payload
+    fmt = EntryFormat("xxh3-128", "uint8", (4000,), 1, 4000)
+    big = os.urandom(4000)
+    key = block_key("0123456789abcdef", "xxh3-128", b"\x03" * 16, format_tag=fmt.tag)
+    storage.put([(key, fmt.encode(big, key))])
+    header, parts = bytearray(HEADER.size), [bytearray(1) for _ in range(4000)]  # ... and more than IOV_MAX
+    assert fmt.check_read(header, storage.get_into(key, [header, *parts]), parts, key) == ""
+    assert b"".join(parts) == big
+
+
+# ------------------------------------------------------------------ StorageTier.read_into vs read
+
+
+def tier_on(storage: object, **kwargs: object) -> StorageTier:
+    return StorageTier(
+        TierConfig(storage=storage, entry_format=FMT),  # type: ignore[arg-type]
+        Namespace("m"),
+        "xxh3-128",
+        16,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+STATES = st.sampled_from(["sound", "absent", "corrupt", "truncated", "wrong-key", "foreign"])
+
+
+def plant(tier: StorageTier, hashes: list[bytes], states: list[str]) -> list[bytes]:
+    """Write each block's entry in the given state straight into the backend; the payloads."""
+    payloads = [bytes([i + 1]) * 256 for i in range(len(hashes))]
+    foreign = EntryFormat("xxh3-128", "bfloat16", (2, 2, 4, 8), 7, 256)
+    items = []
+    for h, state, payload in zip(hashes, states, payloads, strict=True):
+        (key,) = tier.keys_of(h)
+        entry = FMT.encode(payload, key)
+        value = {
+            "sound": entry,
+            "corrupt": entry[:-1] + bytes([entry[-1] ^ 1]),
+            "truncated": entry[:200],
+            "wrong-key": FMT.encode(payload, OTHER_KEY),
+            "foreign": foreign.encode(payload, key),
+        }.get(state)
+        if value is not None:
+            items.append((key, value))
+    tier.backend.put(items)
+    return payloads
+
+
+@pytest.mark.parametrize("backend", ["file", "memory"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(states=st.lists(STATES, min_size=1, max_size=6))
+def test_read_into_agrees_with_read(tmp_path_factory: pytest.TempPathFactory, backend: str, states) -> None:
+    """Same leading run, same payloads, same stats, same index, same entries left: for a backend that
+    reads into place (files) and one that does not (memory: read + copy)."""
+    hashes = [bytes([i]) * 16 for i in range(len(states))]
+
+    def fresh() -> StorageTier:
+        storage = FileStorage(tmp_path_factory.mktemp("t")) if backend == "file" else MemoryStorage()
+        tier = tier_on(storage)
+        tier._remember(hashes)
+        return tier
+
+    one, other = fresh(), fresh()
+    try:
+        payloads = plant(one, hashes, states)
+        plant(other, hashes, states)
+        outcome = one.read(hashes)
+        targets = [[bytearray(100), bytearray(156)] for _ in hashes]
+        usable = other.read_into(hashes, targets)
+        assert usable == len(outcome.payloads) == next((i for i, s in enumerate(states) if s != "sound"), len(states))
+        assert [b"".join(t) for t in targets[:usable]] == payloads[:usable]
+        assert one.stats == other.stats
+        assert one.known_hashes() == other.known_hashes()
+        keys = [k for h in hashes for k in one.keys_of(h)]
+        assert one.backend.exists(keys) == other.backend.exists(keys)
+    finally:
+        one.close()
+        other.close()
+
+
+def test_read_into_refuses_bad_targets_before_reading(tmp_path: Path) -> None:
+    tier = tier_on(FileStorage(tmp_path))
+    try:
+        with pytest.raises(InvalidArgumentError):
+            tier.read_into([b"\x01" * 16], [[bytearray(255)]])  # one byte short
+        with pytest.raises(InvalidArgumentError):
+            tier.read_into([b"\x01" * 16], [[bytes(256)]])  # read-only
+        with pytest.raises(InvalidArgumentError):
+            tier.read_into([b"\x01" * 16], [])
+        assert tier.stats.loads_requested == 0 and tier.backend.stats.gets == 0
+    finally:
+        tier.close()
+
+
+def test_a_raising_backend_makes_every_block_a_counted_miss(tmp_path: Path) -> None:
+    class Broken(FileStorage):
+        def get_into(self, key: str, buffers: Sequence[object]) -> int | None:
+            raise RuntimeError("bug")
+
+    tier = tier_on(Broken(tmp_path))
+    try:
+        assert tier.read_into([b"\x01" * 16, b"\x02" * 16], [[bytearray(256)], [bytearray(256)]]) == 0
+        assert tier.stats.load_errors == 2 and tier.stats.loads_requested == 2
+    finally:
+        tier.close()
+
+
+# ------------------------------------------------------------------ save_built and the pool
+
+
+def test_entries_built_in_place_read_back_through_get_and_get_into(tmp_path: Path) -> None:
+    tier = tier_on(FileStorage(tmp_path))
+    try:
+        hashes = [bytes([i]) * 16 for i in range(5)]
+        payloads = [os.urandom(256) for _ in hashes]
+
+        def fill(i: int, out: memoryview) -> None:
+            out[:] = payloads[i]
+
+        tier.save_built(hashes, fill)
+        assert tier.flush(10.0) and tier.known_hashes() == hashes
+        for h, payload in zip(hashes, payloads, strict=True):
+            (key,) = tier.keys_of(h)
+            raw = tier.backend.get([key])[0]
+            assert raw == FMT.encode(payload, key)  # the format is unchanged: old readers read it
+        targets = [[bytearray(256)] for _ in hashes]
+        assert tier.read_into(hashes, targets) == 5 and [bytes(t[0]) for t in targets] == payloads
+        assert tier.entry_pool.created <= 5 and tier.entry_pool.free == tier.entry_pool.created
+    finally:
+        tier.close()
+
+
+def test_a_fill_that_raises_queues_nothing_more_and_returns_its_buffer(tmp_path: Path) -> None:
+    tier = tier_on(FileStorage(tmp_path))
+    try:
+
+        def fill(i: int, out: memoryview) -> None:
+            if i == 1:
+                raise InvalidArgumentError("bad block")
+            out[:] = bytes(256)
+
+        with pytest.raises(InvalidArgumentError):
+            tier.save_built([b"\x01" * 16, b"\x02" * 16, b"\x03" * 16], fill)
+        assert tier.flush(10.0) and tier.writer.stats.submitted == 1 and tier.stats.saves_queued == 1
+        assert tier.entry_pool.free == tier.entry_pool.created == 2
+    finally:
+        tier.close()
+
+
+class GatedStorage(MemoryStorage):
+    """A backend whose put waits for a gate, and records what each put saw (copies, at put time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.seen: dict[str, bytes] = {}
+
+    def put(self, items: Sequence[tuple[str, bytes | bytearray]]) -> int:
+        self.gate.wait(10.0)
+        for key, value in items:
+            self.seen[key] = bytes(value)
+        return super().put(items)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["submit", "open", "flush", "dup"]), st.integers(0, 255)), max_size=40),
+    max_pending=st.integers(1, 4),
+)
+def test_the_pool_never_hands_out_a_buffer_still_queued(ops, max_pending: int) -> None:
+    """Under a full queue (oldest dropped), duplicates and a stalled backend: every buffer taken is owned by
+    nobody else, and every entry the backend stored holds exactly the bytes it was built with."""
+    storage = GatedStorage()
+    pool = EntryPool(8, max_free=3)
+    writer = AsyncWriter(storage, max_pending=max_pending, batch_size=2)
+    built: dict[str, set[bytes]] = {}  # each key's contents as submitted (a dropped one may come again)
+    serial = 0
+    try:
+        for op, byte in ops:
+            if op == "open":
+                storage.gate.set()
+                continue
+            if op == "flush":
+                storage.gate.set()
+                assert writer.flush(10.0)
+                storage.gate.clear()
+                continue
+            buffer = pool.take()
+            with writer._lock:
+                held = [e.value for e in writer._queue.values()] + [e.value for e in writer._in_flight]
+            assert all(buffer is not value for value in held)
+            serial += 1
+            key = f"k{serial}" if op == "submit" or not built else next(iter(built))
+            content = bytes([byte, serial & 0xFF]) * 4
+            buffer[:] = content
+            built.setdefault(key, set()).add(content)
+            writer.submit([(key, buffer)], pool=pool)
+        storage.gate.set()
+        assert writer.flush(10.0)
+        stats = writer.stats
+        assert stats.submitted == stats.written + stats.skipped_existing + stats.dropped + stats.failed
+        for key, value in storage.seen.items():
+            assert value in built[key]  # as built for that key (its serial inside), untouched by later reuse
+        assert pool.free <= 3
+    finally:
+        storage.gate.set()
+        writer.close(5.0)
+
+
+def test_dropped_entries_give_their_buffers_back_and_the_pool_stays_bounded() -> None:
+    storage = GatedStorage()
+    pool = EntryPool(16, max_free=2)
+    writer = AsyncWriter(storage, max_pending=2, batch_size=1)
+    try:
+        buffers = [pool.take() for _ in range(6)]
+        for i, buffer in enumerate(buffers):
+            writer.submit([(f"k{i}", buffer)], pool=pool)  # never blocks: the queue drops its oldest
+        assert writer.stats.dropped >= 3 and pool.free == 2  # dropped ones came back, up to the bound
+        storage.gate.set()
+        assert writer.flush(10.0)
+        assert writer.stats.written + writer.stats.dropped == 6 and pool.free == 2
+        with pytest.raises(InvalidArgumentError):
+            writer.submit([("k9", bytes(16))], pool=pool)  # only the pool's own buffers go in uncopied
+    finally:
+        storage.gate.set()
+        writer.close(5.0)

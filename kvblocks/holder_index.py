@@ -33,6 +33,7 @@ so folded keys collide only by chance (2**-64 a pair), never by construction.
 
 from __future__ import annotations
 
+import operator
 import secrets
 import sys
 from array import array
@@ -41,7 +42,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import xxhash
 
-from kvblocks.errors import IntegrityError
+from kvblocks.errors import IntegrityError, InvalidBlockHashError
 from kvblocks.hashing import BlockHash
 
 __all__ = ["HolderIndex"]
@@ -100,7 +101,17 @@ class HolderIndex:
             return h
         if isinstance(h, bytes):
             return xxhash.xxh3_64_intdigest(b"b" + h, self._seed)
-        return xxhash.xxh3_64_intdigest(b"i" + int(h).to_bytes((int(h).bit_length() + 8) // 8, "big"), self._seed)
+        if not isinstance(h, bool):
+            try:
+                wide = operator.index(h)  # numpy integers index as the ints they are
+            except TypeError:
+                raise InvalidBlockHashError(f"a block hash is an int or bytes, got {type(h).__name__}") from None
+            if 0 <= wide <= M64:
+                return wide
+            return xxhash.xxh3_64_intdigest(
+                b"i" + wide.to_bytes(wide.bit_length() // 8 + 1, "big", signed=True), self._seed
+            )
+        raise InvalidBlockHashError(f"a block hash is an int or bytes, got {type(h).__name__}")
 
     def _find(self, key: int) -> int:
         """The slot of ``key``'s row, or -1."""
@@ -399,35 +410,41 @@ class HolderIndex:
             return []
         n = len(hashes)
         fold = self.fold
-        keys = [0] * n  # folded lazily: only probed positions
-        known = bytearray(n)
-        slots = [-1] * n
+        masks, ids, parents, has_parent = self._masks, self._ids, self._parents, self._has_parent
+        slots: dict[int, int] = {}  # probed position -> slot (-1: no row)
 
-        def probe(i: int) -> int:
-            if not known[i]:
-                known[i] = 1
-                keys[i] = fold(hashes[i])
-                slots[i] = self._find(keys[i])
+        keys, shift = self._keys, self._shift
+
+        def probe(i: int) -> int:  # fold and _find, inlined: this is the walk's whole cost
+            slot = slots.get(i)
+            if slot is None:
+                h = hashes[i]
+                key = h if type(h) is int and 0 <= h <= M64 else fold(h)
+                slot = ((key * _GOLD) & M64) >> shift
+                while True:
+                    v = ids[slot]
+                    if v > 0:
+                        if keys[slot] == key:
+                            break
+                    elif not v:
+                        slot = -1
+                        break
+                    slot += 1
+                slots[i] = slot
+            return masks[ids[slot]] if slot >= 0 else 0
+
+        def linked(i: int) -> bool:  # held block i's recorded parent is the prompt's block i - 1
             slot = slots[i]
-            return self._masks[self._ids[slot]] if slot >= 0 else 0
-
-        def linked(i: int) -> bool:  # block i's recorded parent is the prompt's block i - 1
             if not i:
                 return True
-            slot = slots[i]
-            if not self._has_parent[slot]:
-                return False
-            if not known[i - 1]:
-                known[i - 1] = 1
-                keys[i - 1] = fold(hashes[i - 1])
-                slots[i - 1] = self._find(keys[i - 1])
-            return self._parents[slot] == keys[i - 1]
+            h = hashes[i - 1]
+            return has_parent[slot] == 1 and parents[slot] == (h if type(h) is int and 0 <= h <= M64 else fold(h))
 
         groups: dict[int, int] = {}
-        trusted = alive & ~self.suspect
-        if alive & self.suspect:
-            self._scan(probe, n, alive & self.suspect, groups)
-        pos, cur = 0, trusted
+        suspects = alive & self.suspect
+        if suspects:
+            self._scan(probe, n, suspects, groups)
+        pos, cur = 0, alive & ~suspects
         while cur and pos < n:
             m = probe(pos) & cur
             if m != cur:  # the run of the workers that dropped out ends here
@@ -435,24 +452,26 @@ class HolderIndex:
                 cur = m
                 if not cur:
                     break
-                if not linked(pos):
-                    return self._plain(probe, n, alive)
-                pos += 1
-                continue
             if not linked(pos):
                 return self._plain(probe, n, alive)
-            lo, step, hi = pos, 1, n  # cur holds block lo; find the first block it does not all hold
-            while True:
-                j = min(lo + step, n - 1)
-                if j == lo:
-                    break
-                if probe(j) & cur == cur:
-                    if not linked(j):
+            # cur holds blocks ..pos; find the first block it does not all hold: the last block first
+            # (a fully cached prompt ends here), then galloping from pos and bisecting
+            lo, hi = pos, n
+            if pos < n - 1:
+                if probe(n - 1) & cur == cur:
+                    if not linked(n - 1):
                         return self._plain(probe, n, alive)
-                    lo, step = j, step * 2
+                    lo = n - 1
                 else:
-                    hi = j
-                    break
+                    hi, step = n - 1, 1
+                    while lo + step < hi:
+                        j = lo + step
+                        if probe(j) & cur != cur:
+                            hi = j
+                            break
+                        if not linked(j):
+                            return self._plain(probe, n, alive)
+                        lo, step = j, step * 2
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 if probe(mid) & cur == cur:

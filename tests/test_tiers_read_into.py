@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvblocks.errors import InvalidArgumentError
+from kvblocks.errors import InvalidArgumentError, SequenceStateError
 from kvblocks.hashing import Namespace
 from kvblocks.tiers import FileStorage, MemoryStorage
 from kvblocks.tiers.config import TierConfig
@@ -151,6 +151,7 @@ def test_more_buffers_than_one_preadv_takes(tmp_path: Path) -> None:
 
 
 def tier_on(storage: object, **kwargs: object) -> StorageTier:
+    """A storage tier over ``storage`` (keyword arguments: StorageTier's)."""
     return StorageTier(
         TierConfig(storage=storage, entry_format=FMT),  # type: ignore[arg-type]
         Namespace("m"),
@@ -362,3 +363,38 @@ def test_dropped_entries_give_their_buffers_back_and_the_pool_stays_bounded() ->
     finally:
         storage.gate.set()
         writer.close(5.0)
+
+
+# ------------------------------------------------------------------ a tier that only looks up
+
+
+def writer_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "kvblocks-storage-writer")
+
+
+def test_a_tier_that_never_saves_runs_no_writer_thread(tmp_path: Path) -> None:
+    before = writer_threads()
+    tier = tier_on(FileStorage(tmp_path), writer_on_demand=True)
+    assert writer_threads() == before and tier.flush(0.0)  # nothing to wait for
+    tier.save_built([b"\x01" * 16], lambda i, out: out.__setitem__(slice(None), bytes(256)))
+    assert writer_threads() == before + 1 and tier.flush(10.0) and tier.known_hashes() == [b"\x01" * 16]
+    tier.close()
+    idle = tier_on(FileStorage(tmp_path), writer_on_demand=True)
+    idle.close()
+    with pytest.raises(SequenceStateError):  # as before: a closed tier takes no saves
+        idle.save([b"\x02" * 16], [bytes(256)])
+    assert idle.writer.closed
+    eager = tier_on(FileStorage(tmp_path))  # the default: the writer starts with the tier
+    assert writer_threads() == before + 1
+    eager.close()
+    assert writer_threads() == before
+
+
+def test_a_store_opened_without_indexing_still_serves_what_is_on_disk(tmp_path: Path) -> None:
+    writer = FileStorage(tmp_path)
+    writer.put([(KEY, FMT.encode(bytes(256), KEY))])
+    (tmp_path / writer._path(KEY).parent.name / ".tmp-left-by-a-dead-writer").write_bytes(b"x")
+    lookup = FileStorage(tmp_path, index_existing=False)
+    assert len(lookup) == 0 and lookup.exists([KEY, OTHER_KEY]) == [True, False] and lookup.contains([KEY]) == 1
+    assert (tmp_path / writer._path(KEY).parent.name / ".tmp-left-by-a-dead-writer").exists()  # not its to clean
+    assert FileStorage(tmp_path).exists([KEY]) == [True]

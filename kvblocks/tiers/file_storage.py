@@ -68,7 +68,17 @@ def _read_fully(handle: io.FileIO, views: list[memoryview]) -> None:
 class FileStorage:
     """Block entries as files under ``root`` (see the module docstring)."""
 
-    def __init__(self, root: str | os.PathLike[str], *, byte_budget: int | None = None, fsync: bool = False) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        byte_budget: int | None = None,
+        fsync: bool = False,
+        index_existing: bool = True,
+    ) -> None:
+        """``index_existing=False`` skips the start-up scan of the directory (and its clean-up of dead
+        temporaries): for a process that only asks which entries exist (vLLM's scheduler side), whose
+        index of sizes would never be used -- it never writes, so it never enforces ``byte_budget``."""
         if byte_budget is not None and (
             isinstance(byte_budget, bool) or not isinstance(byte_budget, int) or byte_budget < 0
         ):
@@ -88,7 +98,10 @@ class FileStorage:
         self._serial = 0
         self._shards: set[str] = set()  # shard directories known to exist
         self.stats = StorageStats()
-        self._load_index()
+        if not isinstance(index_existing, bool):
+            raise ConfigError(f"index_existing must be a bool, got {index_existing!r}")
+        if index_existing:
+            self._load_index()
 
     # ---------------------------------------------------------------- layout
 

@@ -131,12 +131,15 @@ class StorageTier:
         group: int | None = None,
         group_kind: str | None = None,
         entry_pool_bytes: int = ENTRY_POOL_BYTES,
+        writer_on_demand: bool = False,
     ) -> None:
         """``entry_format`` / ``tag`` (default: the config's format, the namespace's tag) let a hybrid
         manager's local group store under keys and a header of its own in the same backend; only the
         tier that ``owns_backend`` closes it. ``events`` receives the index's changes (see the module
         docstring), tagged ``group`` / ``group_kind``. ``entry_pool_bytes``: the most idle entry
-        buffers :meth:`save_built` keeps for reuse (at least one buffer)."""
+        buffers :meth:`save_built` keeps for reuse (at least one buffer). ``writer_on_demand``: start the
+        writer thread at the first save instead of now (a tier that may never save, e.g. vLLM's
+        scheduler-side connector, then runs none)."""
         entry_format = entry_format if entry_format is not None else config.entry_format
         if config.storage is None or entry_format is None:
             raise ConfigError("StorageTier needs a TierConfig with storage and entry_format")
@@ -175,10 +178,29 @@ class StorageTier:
         if isinstance(entry_pool_bytes, bool) or not isinstance(entry_pool_bytes, int) or entry_pool_bytes < 0:
             raise ConfigError(f"entry_pool_bytes must be an int >= 0, got {entry_pool_bytes!r}")
         self.entry_pool = EntryPool(entry_format.entry_length, max(1, entry_pool_bytes // entry_format.entry_length))
-        self.writer = AsyncWriter(self.backend, max_pending=config.max_pending_writes, on_stored=self._on_stored)
+        self._max_pending_writes = config.max_pending_writes
+        self._writer: AsyncWriter | None = None  # started by the first save (see ``writer``)
+        self._writer_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_loop, name="kvblocks-storage-reader", daemon=True)
         self._reader.start()
         self._closed = False
+        if not writer_on_demand:
+            _ = self.writer
+
+    @property
+    def writer(self) -> AsyncWriter:
+        """The background writer (started with the tier, or on first use with ``writer_on_demand``); after
+        :meth:`close`, a closed one."""
+        writer = self._writer
+        if writer is None:
+            with self._writer_lock:
+                if self._writer is None:
+                    made = AsyncWriter(self.backend, max_pending=self._max_pending_writes, on_stored=self._on_stored)
+                    if self._closed:
+                        made.close(0.0)
+                    self._writer = made
+                writer = self._writer
+        return writer
 
     @property
     def num_shards(self) -> int:
@@ -630,7 +652,8 @@ class StorageTier:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued writes (shutdown, tests)."""
-        return self.writer.flush(timeout)
+        writer = self._writer
+        return True if writer is None else writer.flush(timeout)
 
     def close(self, timeout: float | None = 5.0) -> None:
         """Stop both threads (queued writes get ``timeout`` seconds) and close the backend if this tier owns it."""
@@ -638,7 +661,10 @@ class StorageTier:
             return
         self._closed = True
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.writer.close(timeout)
+        with self._writer_lock:
+            writer = self._writer
+        if writer is not None:
+            writer.close(timeout)
         self._requests.put(None)
         self._reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self._owns_backend:

@@ -154,7 +154,7 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
         fmt = self.format
         self.tier = StorageTier(
             TierConfig(
-                storage=self.settings.open_storage(),
+                storage=self.settings.open_storage(writes=not self._is_scheduler),  # the scheduler only looks up
                 entry_format=fmt.entry_format,
                 ranks=ranks,
                 max_pending_writes=self.settings.max_pending_writes,
@@ -163,6 +163,7 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
             Namespace(fmt.model, fmt.salt),
             fmt.scheme,
             fmt.block_size,
+            writer_on_demand=self._is_scheduler,  # the scheduler's half never saves: no writer thread
         )
         self.planner = TransferPlanner(self.tier, fmt.block_size, lookup_timeout_s=self.settings.lookup_timeout_s)
         self.blocks: LayerBlocks | None = None

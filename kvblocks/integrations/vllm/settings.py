@@ -91,12 +91,13 @@ class ConnectorSettings:
             )
         return cls(**dict(extra))
 
-    def open_storage(self) -> StorageBackend:
-        """A new connection to the configured store."""
+    def open_storage(self, *, writes: bool = True) -> StorageBackend:
+        """A new connection to the configured store. ``writes=False``: for a connector half that only looks
+        up (the scheduler's), a file store skips indexing the directory at start-up."""
         if self.storage == "redis":
             from kvblocks.tiers.redis_storage import RedisStorage
 
             return RedisStorage(self.redis_url)
         from kvblocks.tiers.file_storage import FileStorage
 
-        return FileStorage(os.path.expanduser(self.path), byte_budget=self.byte_budget)
+        return FileStorage(os.path.expanduser(self.path), byte_budget=self.byte_budget, index_existing=writes)

@@ -403,12 +403,14 @@ class HolderIndex:
         )
         return arrays + interned + tables
 
-    def runs(self, hashes: Sequence[BlockHash], alive: int) -> list[tuple[int, int]]:
+    def runs(self, hashes: Sequence[BlockHash], alive: int, min_run: int = 0) -> list[tuple[int, int]]:
         """(leading run, mask of the ``alive`` workers whose run it is), one entry per distinct run
-        length, shortest first. Workers of ``alive`` holding nothing get run 0."""
-        if not alive:
-            return []
+        length, shortest first. Workers of ``alive`` holding nothing get run 0. With ``min_run``, only
+        the runs of at least that many blocks, and the walk starts at block ``min_run - 1``: whoever
+        holds it holds every block before it."""
         n = len(hashes)
+        if not alive or min_run > n:
+            return []
         fold = self.fold
         masks, ids, parents, has_parent = self._masks, self._ids, self._parents, self._has_parent
         slots: dict[int, int] = {}  # probed position -> slot (-1: no row)
@@ -445,6 +447,11 @@ class HolderIndex:
         if suspects:
             self._scan(probe, n, suspects, groups)
         pos, cur = 0, alive & ~suspects
+        if min_run > 1 and cur:
+            pos = min_run - 1
+            cur &= probe(pos)
+            if cur and not linked(pos):
+                return self._plain(probe, n, alive, min_run)
         while cur and pos < n:
             m = probe(pos) & cur
             if m != cur:  # the run of the workers that dropped out ends here
@@ -453,14 +460,14 @@ class HolderIndex:
                 if not cur:
                     break
             if not linked(pos):
-                return self._plain(probe, n, alive)
+                return self._plain(probe, n, alive, min_run)
             # cur holds blocks ..pos; find the first block it does not all hold: the last block first
             # (a fully cached prompt ends here), then galloping from pos and bisecting
             lo, hi = pos, n
             if pos < n - 1:
                 if probe(n - 1) & cur == cur:
                     if not linked(n - 1):
-                        return self._plain(probe, n, alive)
+                        return self._plain(probe, n, alive, min_run)
                     lo = n - 1
                 else:
                     hi, step = n - 1, 1
@@ -470,25 +477,25 @@ class HolderIndex:
                             hi = j
                             break
                         if not linked(j):
-                            return self._plain(probe, n, alive)
+                            return self._plain(probe, n, alive, min_run)
                         lo, step = j, step * 2
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 if probe(mid) & cur == cur:
                     if not linked(mid):
-                        return self._plain(probe, n, alive)
+                        return self._plain(probe, n, alive, min_run)
                     lo = mid
                 else:
                     hi = mid
             pos = hi
         if cur:
             groups[pos] = groups.get(pos, 0) | cur
-        return sorted(groups.items())
+        return sorted((run, mask) for run, mask in groups.items() if run >= min_run)
 
-    def _plain(self, probe: Callable[[int], int], n: int, alive: int) -> list[tuple[int, int]]:
+    def _plain(self, probe: Callable[[int], int], n: int, alive: int, min_run: int) -> list[tuple[int, int]]:
         groups: dict[int, int] = {}
         self._scan(probe, n, alive, groups, count=False)
-        return sorted(groups.items())
+        return sorted((run, mask) for run, mask in groups.items() if run >= min_run)
 
     def _scan(
         self, probe: Callable[[int], int], n: int, alive: int, groups: dict[int, int], count: bool = True

@@ -691,28 +691,51 @@ class Router:
         top_weight = max(self._weights.values(), default=0.0)
         # no worker's load cost is below the heap's top (with eviction pressure scaled per prompt: below 0)
         floor = idle[0] if idle is not None and not ew else 0.0
-        for run, mask in reversed(self._runs(hashes, alive)):  # longest runs first: the rest often pruned
-            if not run:
-                continue
-            if pw * max(0.0, blocks - credit * run * top_weight) + floor > best_cost:
-                break  # even its least-loaded member at its best tier cannot win, nor can any shorter run
-            overlap = run * device
-            part = pw * max(0.0, blocks - credit * overlap)
-            while mask:
-                low = mask & -mask
-                mask ^= low
-                w = by_bit[low.bit_length() - 1]
-                if not device_only:
-                    overlap = self._weighted(hashes, w.bit, run)
-                    part = pw * max(0.0, blocks - credit * overlap)
-                cost = part + per_token * w.inflight + dw * w.running
-                if ew:  # eviction pressure weighs the blocks this prompt would add to the worker
-                    cost += ew * w.evicted_recently * max(0.0, blocks - overlap) / blocks
-                if cost < best_cost or (cost == best_cost and (w.running + w.inflight, w.order) < best_tie):
-                    best, best_cost, best_tie, best_overlap = w, cost, (w.running + w.inflight, w.order), overlap
+        # Two passes, longest runs first so that the rest is mostly pruned. First the workers holding the
+        # whole prompt (a probe or two); then, given the best cost so far, only the runs long enough to
+        # beat it: the walk starts at the shortest such run instead of the prompt's first block.
+        whole = 0
+        for second in (False, True):
+            if not blocks:
+                break
+            if not second:
+                groups = self._index.runs(hashes, alive, min_run=blocks)
+                whole = groups[0][1] if groups else 0
+            else:
+                shortest = self._shortest_useful_run(blocks, best_cost - floor, credit * top_weight)
+                if shortest >= blocks:
+                    break
+                groups = self._index.runs(hashes, alive & ~whole, min_run=shortest)
+            for run, mask in reversed(groups):
+                if pw * max(0.0, blocks - credit * run * top_weight) + floor > best_cost:
+                    break  # even its least-loaded member at its best tier cannot win, nor can any shorter run
+                overlap = run * device
+                part = pw * max(0.0, blocks - credit * overlap)
+                while mask:
+                    low = mask & -mask
+                    mask ^= low
+                    w = by_bit[low.bit_length() - 1]
+                    if not device_only:
+                        overlap = self._weighted(hashes, w.bit, run)
+                        part = pw * max(0.0, blocks - credit * overlap)
+                    cost = part + per_token * w.inflight + dw * w.running
+                    if ew:  # eviction pressure weighs the blocks this prompt would add to the worker
+                        cost += ew * w.evicted_recently * max(0.0, blocks - overlap) / blocks
+                    if cost < best_cost or (cost == best_cost and (w.running + w.inflight, w.order) < best_tie):
+                        best, best_cost, best_tie, best_overlap = w, cost, (w.running + w.inflight, w.order), overlap
         if best is None:
             raise NoWorkerError("no healthy worker to route to")
         return best, best_overlap
+
+    def _shortest_useful_run(self, blocks: int, slack: float, per_block: float) -> int:
+        """The shortest run that could still cost no more than the best so far: a run ``r`` saves at most
+        ``prefill_weight * per_block * r`` of the ``blocks`` a prompt costs, and ``slack`` is how far
+        the best cost sits above the cheapest load. One short of the bound, so rounding never prunes a
+        run that could tie."""
+        pw = self.config.prefill_weight
+        if not pw or not per_block or math.isinf(slack):
+            return 1
+        return max(1, math.ceil((blocks - slack / pw) / per_block) - 1)
 
     def _sample(self, costs: list[tuple[float, _Worker]]) -> _Worker:
         low = min(c for c, _ in costs)

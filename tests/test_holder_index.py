@@ -100,10 +100,12 @@ class HolderIndexMachine(RuleBasedStateMachine):
         self.held[worker] = set()
         assert not self.index.suspect >> worker & 1
 
-    @rule(node=st.integers(0, FOREST - 1), alive=st.integers(1, (1 << WORKERS) - 1))
-    def walk_matches_brute_force(self, node: int, alive: int) -> None:
+    @rule(node=st.integers(0, FOREST - 1), alive=st.integers(1, (1 << WORKERS) - 1), min_run=st.integers(0, 12))
+    def walk_matches_brute_force(self, node: int, alive: int, min_run: int) -> None:
+        """Every run, or with ``min_run`` exactly the runs at least that long."""
         prompt = path_to(self.parent, self.blocks[node])
-        assert as_runs(self.index.runs(prompt, alive)) == brute_runs(self.held, prompt, alive)
+        expected = {w: run for w, run in brute_runs(self.held, prompt, alive).items() if run >= min_run}
+        assert as_runs(self.index.runs(prompt, alive, min_run)) == expected
 
     @rule(worker=st.integers(0, WORKERS - 1))
     def verify_is_exact(self, worker: int) -> None:

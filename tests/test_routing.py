@@ -124,6 +124,48 @@ def test_route_minimises_the_documented_cost(seed: int) -> None:
         lease.release()
 
 
+@given(
+    holdings=st.lists(st.integers(0, 64), min_size=1, max_size=24),
+    loads=st.lists(st.integers(0, 40), min_size=24, max_size=24),
+    decode_weight=st.sampled_from([0.0, 16.0, 128.0]),
+    eviction_weight=st.sampled_from([0.0, 0.2]),
+    tail=st.integers(0, 1),
+)
+@settings(max_examples=150, deadline=None)
+def test_a_long_prompt_goes_where_the_documented_cost_is_lowest(
+    holdings: list[int], loads: list[int], decode_weight: float, eviction_weight: float, tail: int
+) -> None:
+    """A 64-block prompt held to various depths by up to 24 loaded workers: the pruned walk (workers
+    holding all of it first, then only runs long enough to win) picks what the brute-force cost picks."""
+    names = [f"w{i}" for i in range(len(holdings))]
+    r = router(workers=names, decode_weight=decode_weight, eviction_weight=eviction_weight)
+    prompt = tokens(64, start=7_000)[: 64 * B - 1 + tail]
+    h = hashes(prompt)
+    leases = []
+    for w, held, load in zip(names, holdings, loads, strict=False):
+        r.apply_events(w, [BlockStored(tuple(h[:held]), None, "device")])
+        for i in range(load % 5):
+            leases.append(r.route(tokens(1, start=90_000 + 1000 * load + 10 * i + names.index(w))))
+    cacheable = (len(prompt) - 1) // B
+    costs = {
+        w: expected_cost(
+            r.config,
+            cacheable,
+            min(held, cacheable),
+            r.load(w).inflight_prefill_tokens,
+            r.load(w).running,
+            r.load(w).evicted_recently,
+        )
+        for w, held in zip(names, holdings, strict=False)
+    }
+    best = min(costs.values())
+    ties = [w for w in names if costs[w] == best]
+    key = {w: (r.load(w).running + r.load(w).inflight_prefill_tokens, i) for i, w in enumerate(names)}
+    assert pick(r, prompt) == min(ties, key=key.__getitem__)
+    for lease in leases:
+        lease.release()
+
+
 def test_ties_go_to_the_less_loaded_then_the_earlier_worker() -> None:
     r = router(decode_weight=0.0)
     first = r.route(tokens(2, start=100))  # w0 now runs one sequence: same cost (no decode weight), more load

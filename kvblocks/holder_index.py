@@ -92,9 +92,6 @@ class HolderIndex:
         self._ids = array("i", bytes(4 * size))
         self._kids = array("i", bytes(4 * size))
 
-    def _home(self, key: int) -> int:
-        return ((key * _GOLD) & M64) >> self._shift
-
     def fold(self, h: BlockHash) -> int:
         """The 64-bit key of a block hash (itself for an int in ``[0, 2**64)``)."""
         if type(h) is int and 0 <= h <= M64:
@@ -125,18 +122,6 @@ class HolderIndex:
             elif v == _EMPTY:
                 return -1
             i += 1
-
-    def _insert_slot(self, key: int) -> int:
-        """A free slot for a new row of ``key`` (which has none); the table has room (see :meth:`_reserve`)."""
-        ids = self._ids
-        i = self._home(key)
-        while ids[i] > 0:
-            i += 1
-        if ids[i] == _EMPTY:
-            if i == len(ids) - 1:  # the last slot stays empty, so a probe always ends: grow the slack in place
-                self._extend(_PAD)
-            self._used += 1
-        return i
 
     def _extend(self, more: int) -> None:
         """More slack after the last slot, in place: slots and the arrays themselves stay valid."""
@@ -251,39 +236,59 @@ class HolderIndex:
         else:
             parent_slot = -1
         moves: dict[int, int] = {}  # old mask id -> new, memoised: a chain's blocks share their holders
+        table_keys, refs, dead, pending, shift = self._keys, self._refs, self._dead, self._pending_kids, self._shift
         added = 0
-        for key in keys:
-            slot = self._find(key)
-            if slot < 0:
-                slot = self._insert_slot(key)
+        for key in keys:  # one probe finds the row, or where a new one goes (_find, inlined)
+            slot = ((key * _GOLD) & M64) >> shift
+            tomb = -1
+            while True:
+                old = ids[slot]
+                if old > 0:
+                    if table_keys[slot] == key:
+                        break
+                elif not old:
+                    break
+                elif tomb < 0:
+                    tomb = slot
+                slot += 1
+            if old > 0:
+                if (parents[slot] if has_parent[slot] else None) != parent:
+                    self.suspect |= b  # two stories of this block's parent: trust the recorded one only
+                if masks[old] & b:
+                    parent, parent_slot = key, slot
+                    continue
+            else:
+                old = 0
+                if tomb >= 0:
+                    slot = tomb
+                else:
+                    if slot == len(ids) - 1:  # the last slot stays empty, so that a probe always ends
+                        self._extend(_PAD)
+                    self._used += 1
                 self._live += 1
-                kids[slot] = self._pending_kids.pop(key, 0)
-                self._keys[slot] = key
+                kids[slot] = pending.pop(key, 0) if pending else 0
+                table_keys[slot] = key
                 if parent is None:
                     has_parent[slot] = 0
                     parents[slot] = 0
                 else:
                     has_parent[slot] = 1
                     parents[slot] = parent
-                old = 0
-            else:
-                old = ids[slot]
-                recorded = parents[slot] if has_parent[slot] else None
-                if recorded != parent:
-                    self.suspect |= b  # two stories of this block's parent: trust the recorded one only
-                if masks[old] & b:
-                    parent, parent_slot = key, slot
-                    continue
             new = moves.get(old)
             if new is None:
                 new = moves[old] = self._intern(masks[old] | b)
-            self._retarget(slot, old, new)
+            if old:
+                refs[old] -= 1
+                if not refs[old]:
+                    dead.append(old)
+            refs[new] += 1
+            ids[slot] = new
             if has_parent[slot]:
-                recorded_parent = parents[slot]
-                if recorded_parent == parent and parent_slot >= 0:
+                recorded = parents[slot]
+                if recorded == parent and parent_slot >= 0:
                     kids[parent_slot] += 1
                 else:
-                    self._add_kid(recorded_parent, 1)
+                    self._add_kid(recorded, 1)
             added += 1
             parent, parent_slot = key, slot
         self._sweep()

@@ -99,7 +99,7 @@ def _checked_hashes(block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
     if not out:
         return out
     try:
-        packed = np.frombuffer(array("Q", out), dtype=np.uint64)
+        packed = np.frombuffer(array("Q", cast(list[int], out)), dtype=np.uint64)
     except (TypeError, OverflowError):
         if set(map(type, out)) == {bytes} and all(out) and len(set(out)) == len(out):
             return out

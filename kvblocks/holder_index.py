@@ -305,22 +305,22 @@ class HolderIndex:
         """:meth:`remove` with keys already folded. A worker that removes a block someone holds a child
         of (after the whole batch: a chain removed head first is not a hole) becomes suspect."""
         b = 1 << bit
-        removed: list[int] = []
+        masks, ids, find = self._masks, self._ids, self._find
+        removed: list[tuple[int, int]] = []  # (key, slot): no rehash happens in a removal, slots hold
         for key in keys:
-            slot = self._find(key)
-            if slot >= 0 and self._masks[self._ids[slot]] & b:
+            slot = find(key)
+            if slot >= 0 and masks[ids[slot]] & b:
                 self._drop_bit(slot, b)
-                removed.append(key)
+                removed.append((key, slot))
         self._sweep()
         if removed:
             self._held[bit] -= len(removed)
             if not self._held[bit]:
                 self._trust(bit)
             elif not self.suspect & b:
-                kids = self._kids
-                for key in removed:
-                    slot = self._find(key)
-                    if (kids[slot] if slot >= 0 else self._pending_kids.get(key, 0)) > 0:
+                kids, pending = self._kids, self._pending_kids
+                for key, slot in removed:  # a row removed whole keeps its kids count in pending
+                    if (kids[slot] if ids[slot] > 0 else pending.get(key, 0)) > 0:
                         self.suspect |= b
                         break
         return len(removed)

@@ -90,23 +90,23 @@ integer form (``"vllm-int64"``, vLLM's default: :func:`kvblocks.hashing.vllm_int
 
 
 def _checked_hashes(block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
-    """``validate_block_hashes``, with the usual cases checked in C: a 2,048-block prompt's check would
-    otherwise cost more than routing it. 64-bit ints: packed into an ``array('Q')`` (which refuses
-    anything else and any value out of range), the smallest >= 2 (0 and 1 may be bools), no repeat in the
-    sorted copy. Digests: all ``bytes``, none empty, no repeat. Anything else takes the exact per-item
-    check, which names the offending position."""
+    """Block hashes as ``validate_block_hashes`` takes them (ints >= 0, non-empty bytes), checked in C in the
+    usual cases: a 2,048-block prompt's per-item check would cost more than routing it. 64-bit ints: packed
+    into an ``array('Q')``, which refuses anything else and any value out of range, the smallest >= 2 (a 0
+    or 1 may be a bool). Digests: all ``bytes``, none empty. Anything else takes the per-item check, which
+    names the offending position. Repeats pass: the router builds no tree from a prompt, and a hash that
+    repeats simply ends the prompt's chain where it does (the walk's link check sees it)."""
     out = list(block_hashes)
     if not out:
         return out
     try:
         packed = np.frombuffer(array("Q", cast(list[int], out)), dtype=np.uint64)
     except (TypeError, OverflowError):
-        if set(map(type, out)) == {bytes} and all(out) and len(set(out)) == len(out):
+        if set(map(type, out)) == {bytes} and all(out):
             return out
-        return validate_block_hashes(out)
-    ordered = np.sort(packed)
-    if ordered[0] < 2 or (len(ordered) > 1 and not np.all(ordered[1:] != ordered[:-1])):
-        return validate_block_hashes(out)
+        return validate_block_hashes(out, distinct=False)
+    if packed.min() < 2:
+        return validate_block_hashes(out, distinct=False)
     return out  # numpy integers and the like among them index as the ints they are
 
 
@@ -626,7 +626,7 @@ class Router:
                 raise InvalidArgumentError("give token_ids or block_hashes, not both")
             if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
                 raise InvalidArgumentError("block_hashes need num_tokens, the prompt length")
-            hashes: Sequence[BlockHash] = _checked_hashes(block_hashes)  # what a manager refuses, refused
+            hashes: Sequence[BlockHash] = _checked_hashes(block_hashes)  # not hashes: refused (repeats pass)
             if len(hashes) > num_tokens // size:
                 raise InvalidArgumentError(f"{len(hashes)} block hashes for a {num_tokens}-token prompt")
             prompt_tokens = num_tokens

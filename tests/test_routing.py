@@ -112,7 +112,12 @@ def test_route_minimises_the_documented_cost(seed: int) -> None:
     overlaps = r.overlaps(h)
     costs = {
         w: expected_cost(
-            r.config, 8, overlaps.get(w, 0.0), r.load(w).inflight_prefill_tokens, r.load(w).running, r.load(w).evicted_recently
+            r.config,
+            8,
+            overlaps.get(w, 0.0),
+            r.load(w).inflight_prefill_tokens,
+            r.load(w).running,
+            r.load(w).evicted_recently,
         )
         for w in r.workers
     }
@@ -281,8 +286,19 @@ def test_routing_by_hashes_matches_routing_by_tokens() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [[-1], [1.5], [[1, 2]], [True], [b""], [7, 7], [{"h": 1}], [None]],
-    ids=["negative", "float", "unhashable", "bool", "empty-bytes", "repeat", "dict", "none"],
+    [[-1], [1.5], [[1, 2]], [True], [b""], [{"h": 1}], [None], [5, -1], [5, 1 << 70, b""], [b"x", 2.0]],
+    ids=[
+        "negative",
+        "float",
+        "unhashable",
+        "bool",
+        "empty-bytes",
+        "dict",
+        "none",
+        "late-negative",
+        "mixed",
+        "bytes-float",
+    ],
 )
 def test_route_refuses_the_block_hashes_a_manager_refuses(bad: list) -> None:
     r = router()
@@ -293,6 +309,17 @@ def test_route_refuses_the_block_hashes_a_manager_refuses(bad: list) -> None:
         r.route(block_hashes=bad, num_tokens=len(bad) * B + 1)
     assert r.routed == 0
     assert all(r.load(w).running == 0 and r.load(w).inflight_prefill_tokens == 0 for w in r.workers)
+
+
+def test_a_repeated_hash_ends_the_prompts_chain_where_it_repeats() -> None:
+    """A chain never repeats a hash, so the router takes a prompt that does as it is (it builds no tree
+    from it): the overlap is the leading run the worker holds, as a brute-force count has it."""
+    r = router()
+    h = hashes(tokens(4))
+    r.apply_events("w1", [BlockStored(tuple(h[:3]), None, "device")])
+    assert r.overlaps([h[0], h[1], h[0], h[2]]) == {"w1": 4.0}  # h0 again: held, so the run goes on
+    assert r.overlaps([h[0], h[3], h[0]]) == {"w1": 1.0}
+    assert pick(r, block_hashes=[h[0], h[1], h[0], h[1]], num_tokens=4 * B + 1) == "w1"
 
 
 @given(st.integers(1, 6), st.booleans())

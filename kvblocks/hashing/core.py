@@ -183,11 +183,12 @@ def _bad_token(tokens: Sequence[object]) -> InvalidTokenError:
     return InvalidTokenError("token ids could not be packed as u32")  # pragma: no cover
 
 
-def validate_block_hashes(hashes: Iterable[BlockHash]) -> list[BlockHash]:
+def validate_block_hashes(hashes: Iterable[BlockHash], *, distinct: bool = True) -> list[BlockHash]:
     """Return ``hashes`` as a new list, refusing anything but distinct ints >= 0 or non-empty bytes.
 
     The hashes of one sequence are one chain, so none may repeat: a repeat would make
-    the chain a cycle in the prefix tree.
+    the chain a cycle in the prefix tree. ``distinct=False`` lets repeats pass, for a reader that builds
+    no tree from them (the router scores a prompt; a repeat just ends its chain there).
     """
     out = list(hashes)
     for index, h in enumerate(out):
@@ -200,7 +201,7 @@ def validate_block_hashes(hashes: Iterable[BlockHash]) -> list[BlockHash]:
             out[index] = int(h)
         else:
             raise InvalidBlockHashError(f"block hash at position {index} must be int or bytes, got {type(h).__name__}")
-    if len(set(out)) != len(out):
+    if distinct and len(set(out)) != len(out):
         first_seen: dict[BlockHash, int] = {}
         for index, h in enumerate(out):
             if first_seen.setdefault(h, index) != index:

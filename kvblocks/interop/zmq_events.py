@@ -48,11 +48,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from kvblocks.errors import ConfigError, EventDecodeError, InvalidArgumentError
-from kvblocks.event_codec import EventBatch, KVEvent, PendingEvent, build_pending, decode_batch
+from kvblocks.event_codec import EventBatch, PendingEvent, decode_batch
 from kvblocks.event_transport import BatchConsumer
 from kvblocks.interop.engine_wire import (
     Dialect,
@@ -61,6 +61,7 @@ from kvblocks.interop.engine_wire import (
     encode_engine_events,
     require_msgspec,
 )
+from kvblocks.interop.fast_wire import encode_pending_events
 
 __all__ = ["ZmqEventPublisher", "ZmqEventSubscriber", "pump_subscriber", "require_zmq"]
 
@@ -302,17 +303,22 @@ class ZmqEventPublisher:
                 self._replay.close(linger=0)
 
     def _publish(self, item: EventBatch | tuple[int, float, list[PendingEvent]]) -> None:
-        if isinstance(item, EventBatch):
-            seq, ts, snapshot = item.seq, item.timestamp, item.snapshot
-            events: Iterable[KVEvent] = item.events
-        else:  # from send_pending
-            seq, ts, entries = item
-            events = build_pending(entries)
-            snapshot = False
         try:
-            payload = encode_engine_events(
-                events, ts, self.dialect, int_hashes=self.int_hashes, dp_rank=self.dp_rank, snapshot=snapshot
-            )
+            if isinstance(item, EventBatch):
+                seq = item.seq
+                payload = encode_engine_events(
+                    item.events,
+                    item.timestamp,
+                    self.dialect,
+                    int_hashes=self.int_hashes,
+                    dp_rank=self.dp_rank,
+                    snapshot=item.snapshot,
+                )
+            else:  # from send_pending: written straight from the sink's entries, no event built
+                seq, ts, entries = item
+                payload = encode_pending_events(
+                    entries, ts, self.dialect, int_hashes=self.int_hashes, dp_rank=self.dp_rank
+                )
             self._pub.send_multipart((self._topic, _seq_bytes(seq), payload))
         except Exception:
             self.errors += 1

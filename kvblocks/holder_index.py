@@ -51,6 +51,7 @@ M64 = (1 << 64) - 1
 _GOLD = 0x9E3779B97F4A7C15  # Fibonacci hashing: the key times 2**64/phi, top bits taken
 _MAX_LOAD = 0.75  # rows plus tombstones, of the table's capacity
 _PAD = 64  # slack after the last home slot: probes run forward, never wrap
+_WIDE_INT_SEED = 0x5BD1E9955BD1E995  # ints wider than 64 bits fold under another seed than bytes
 _EMPTY, _TOMB = 0, -1  # ids[slot]: 0 empty, -1 deleted, > 0 the row's holder-mask id
 
 
@@ -97,7 +98,7 @@ class HolderIndex:
         if type(h) is int and 0 <= h <= M64:
             return h
         if isinstance(h, bytes):
-            return xxhash.xxh3_64_intdigest(b"b" + h, self._seed)
+            return xxhash.xxh3_64_intdigest(h, self._seed)
         if not isinstance(h, bool):
             try:
                 wide = operator.index(h)  # numpy integers index as the ints they are
@@ -105,9 +106,8 @@ class HolderIndex:
                 raise InvalidBlockHashError(f"a block hash is an int or bytes, got {type(h).__name__}") from None
             if 0 <= wide <= M64:
                 return wide
-            return xxhash.xxh3_64_intdigest(
-                b"i" + wide.to_bytes(wide.bit_length() // 8 + 1, "big", signed=True), self._seed
-            )
+            data = wide.to_bytes(wide.bit_length() // 8 + 1, "big", signed=True)
+            return xxhash.xxh3_64_intdigest(data, self._seed ^ _WIDE_INT_SEED)  # apart from bytes digests
         raise InvalidBlockHashError(f"a block hash is an int or bytes, got {type(h).__name__}")
 
     def _find(self, key: int) -> int:
@@ -408,25 +408,27 @@ class HolderIndex:
         )
         return arrays + interned + tables
 
-    def runs(self, hashes: Sequence[BlockHash], alive: int, min_run: int = 0) -> list[tuple[int, int]]:
-        """(leading run, mask of the ``alive`` workers whose run it is), one entry per distinct run
-        length, shortest first. Workers of ``alive`` holding nothing get run 0. With ``min_run``, only
-        the runs of at least that many blocks, and the walk starts at block ``min_run - 1``: whoever
-        holds it holds every block before it."""
-        n = len(hashes)
-        if not alive or min_run > n:
-            return []
+    def _probes(self, hashes: Sequence[BlockHash]) -> tuple[Callable[[int], int], Callable[[int], bool]]:
+        """``probe(i)``: the holders of the prompt's block ``i``; ``linked(i)``: a held block ``i``'s
+        recorded parent is the prompt's block ``i - 1``. Both remember what they looked up."""
         fold = self.fold
         masks, ids, parents, has_parent = self._masks, self._ids, self._parents, self._has_parent
         slots: dict[int, int] = {}  # probed position -> slot (-1: no row)
+        folded: dict[int, int] = {}  # position -> key, for the positions probed or link-checked
 
         keys, shift = self._keys, self._shift
+
+        def key_at(i: int) -> int:
+            key = folded.get(i)
+            if key is None:
+                h = hashes[i]
+                key = folded[i] = h if type(h) is int and 0 <= h <= M64 else fold(h)
+            return key
 
         def probe(i: int) -> int:  # fold and _find, inlined: this is the walk's whole cost
             slot = slots.get(i)
             if slot is None:
-                h = hashes[i]
-                key = h if type(h) is int and 0 <= h <= M64 else fold(h)
+                key = key_at(i)
                 slot = ((key * _GOLD) & M64) >> shift
                 while True:
                     v = ids[slot]
@@ -444,9 +446,41 @@ class HolderIndex:
             slot = slots[i]
             if not i:
                 return True
-            h = hashes[i - 1]
-            return has_parent[slot] == 1 and parents[slot] == (h if type(h) is int and 0 <= h <= M64 else fold(h))
+            return has_parent[slot] == 1 and parents[slot] == key_at(i - 1)
 
+        return probe, linked
+
+    def longest_run(self, hashes: Sequence[BlockHash], alive: int) -> tuple[int, int] | None:
+        """The longest leading run any of ``alive`` holds, and the mask of the workers holding it, by
+        bisection over "anyone holds block ``j``" (the last block tried first): O(log n) probes however
+        the runs below it are spread. None when a suspect is among ``alive`` or a probe's link fails
+        (then :meth:`runs` answers)."""
+        if alive & self.suspect:
+            return None
+        n = len(hashes)
+        probe, linked = self._probes(hashes)
+        lo, hi, top = -1, n, 0  # someone holds block lo (-1: vacuously); nobody holds block hi (n: past the end)
+        mid = n - 1
+        while hi - lo > 1:
+            held = probe(mid) & alive
+            if held:
+                if not linked(mid):
+                    return None
+                lo, top = mid, held
+            else:
+                hi = mid
+            mid = (lo + hi) // 2
+        return lo + 1, top
+
+    def runs(self, hashes: Sequence[BlockHash], alive: int, min_run: int = 0) -> list[tuple[int, int]]:
+        """(leading run, mask of the ``alive`` workers whose run it is), one entry per distinct run
+        length, shortest first. Workers of ``alive`` holding nothing get run 0. With ``min_run``, only
+        the runs of at least that many blocks, and the walk starts at block ``min_run - 1``: whoever
+        holds it holds every block before it."""
+        n = len(hashes)
+        if not alive or min_run > n:
+            return []
+        probe, linked = self._probes(hashes)
         groups: dict[int, int] = {}
         suspects = alive & self.suspect
         if suspects:

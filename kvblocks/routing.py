@@ -691,15 +691,19 @@ class Router:
         top_weight = max(self._weights.values(), default=0.0)
         # no worker's load cost is below the heap's top (with eviction pressure scaled per prompt: below 0)
         floor = idle[0] if idle is not None and not ew else 0.0
-        # Two passes, longest runs first so that the rest is mostly pruned. First the workers holding the
-        # whole prompt (a probe or two); then, given the best cost so far, only the runs long enough to
-        # beat it: the walk starts at the shortest such run instead of the prompt's first block.
+        # Two passes, longest runs first so that the rest is mostly pruned. First the workers with the
+        # longest run (a bisection: O(log n) probes); then, given the best cost so far, only the runs
+        # long enough to beat it: the walk starts at the shortest such run instead of the first block.
         whole = 0
         for second in (False, True):
             if not blocks:
                 break
             if not second:
-                groups = self._index.runs(hashes, alive, min_run=blocks)
+                top = self._index.longest_run(hashes, alive)
+                if top is None:  # a suspect worker, or a prompt that is not one chain: its whole holders
+                    groups = self._index.runs(hashes, alive, min_run=blocks)
+                else:
+                    groups = [top] if top[0] else []
                 whole = groups[0][1] if groups else 0
             else:
                 shortest = self._shortest_useful_run(blocks, best_cost - floor, credit * top_weight)

@@ -107,6 +107,18 @@ class HolderIndexMachine(RuleBasedStateMachine):
         expected = {w: run for w, run in brute_runs(self.held, prompt, alive).items() if run >= min_run}
         assert as_runs(self.index.runs(prompt, alive, min_run)) == expected
 
+    @rule(node=st.integers(0, FOREST - 1), alive=st.integers(1, (1 << WORKERS) - 1))
+    def longest_run_matches_brute_force(self, node: int, alive: int) -> None:
+        """The longest run and who holds it, or None (when a suspect is alive: then runs answers)."""
+        prompt = path_to(self.parent, self.blocks[node])
+        answer = self.index.longest_run(prompt, alive)
+        if alive & self.index.suspect:
+            assert answer is None
+            return
+        runs = brute_runs(self.held, prompt, alive)
+        top = max(runs.values())
+        assert answer == (top, sum(1 << w for w, run in runs.items() if run == top) if top else 0)
+
     @rule(worker=st.integers(0, WORKERS - 1))
     def verify_is_exact(self, worker: int) -> None:
         closed = all(self.parent[b] is None or self.parent[b] in self.held[worker] for b in self.held[worker])

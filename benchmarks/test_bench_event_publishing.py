@@ -7,8 +7,9 @@ lifecycle with no sink. The subjects:
 * ``background``: vLLM's wire on a ZMQ PUB socket on loopback
   (:class:`kvblocks.interop.zmq_events.ZmqEventPublisher`), published with
   :meth:`~kvblocks.events.EventPublisher.start`: the engine thread only records its events
-  (:meth:`~kvblocks.events.EventSink.record`); the publisher's thread drains the sink every 5 ms, builds
-  the events, encodes them (msgpack) and sends. Measured on the engine thread's CPU clock
+  (:meth:`~kvblocks.events.EventSink.record`); the publisher's thread drains the sink every 5 ms (the
+  default interval of :meth:`~kvblocks.events.EventPublisher.start`), writes vLLM's msgpack straight from
+  the sink's entries (:mod:`kvblocks.interop.fast_wire`) and sends. Measured on the engine thread's CPU clock
   (``time.thread_time``): the hot path's cost, the GIL hand-overs and garbage collections the other
   thread causes on it included. Target: at most 5% (ratio >= 0.95). Its wall-clock ratio, which on this
   2-core machine also pays for the other thread's work, is recorded beside it (report only).

@@ -21,7 +21,10 @@ Publishing::
 The engine thread only appends the batch to a bounded queue; a background thread owns both sockets, encodes,
 sends, keeps the last ``buffer_steps`` payloads and answers replay requests (every 5 ms at most while idle).
 With ``publisher.start()`` that thread also runs the publisher's rounds (:meth:`ZmqEventPublisher.run_periodically`):
-the engine thread then only records its events; this thread takes them unbuilt (``send_pending``).
+the engine thread then only records its events; this thread takes them unbuilt (``send_pending``) and writes
+the payload straight from the sink's entries (:func:`kvblocks.interop.fast_wire.encode_pending_events`: the
+same bytes as :func:`~kvblocks.interop.engine_wire.encode_engine_events`, in less than half its CPU time,
+which on a small machine is taken from the engine's thread).
 Nothing raises into the engine: a full queue or a failed send is counted (``dropped``, ``errors``).
 
 Consuming::
@@ -194,7 +197,7 @@ class ZmqEventPublisher:
 
     def send_pending(self, producer: str, seq: int, timestamp: float, entries: list[PendingEvent]) -> None:
         """:meth:`send_batch` of events not built yet (:meth:`kvblocks.events.EventPublisher.publish`): the
-        publisher thread builds and encodes them one at a time."""
+        publisher thread encodes them without building them (:mod:`kvblocks.interop.fast_wire`)."""
         if self._closed or len(self._queue) >= self.max_queue:
             self.dropped += 1
             return

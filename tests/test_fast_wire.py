@@ -93,8 +93,21 @@ def cache_removed(draw: st.DrawFn) -> tuple[Any, ...]:
 
 
 built = st.one_of(stored_st(), removed_st(), cleared_st()).map(lambda e: ("emit", e))
+
+
+class _Unhashable:
+    """A factory that cannot be a dict key (``__eq__`` without ``__hash__``)."""
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __call__(self, tier: str) -> AllBlocksCleared:
+        return AllBlocksCleared(tier)
+
+
 other_factory = st.one_of(
     tier_st.map(lambda t: (AllBlocksCleared, t)),
+    tier_st.map(lambda t: (_Unhashable(), t)),
     st.tuples(st.lists(digest16, max_size=3).map(tuple), tier_st).map(lambda a: (BlockRemoved, *a)),
 )
 recorded = st.lists(st.one_of(cache_stored(), cache_stored(), cache_removed(), built, other_factory), max_size=24)

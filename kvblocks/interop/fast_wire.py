@@ -413,7 +413,10 @@ class _Payload:
         out, hashes, counts, hash_holes = self.out, self.hashes, self.hash_counts, self.hash_holes
         for entry in entries:
             factory = entry[2]
-            spec: Any = specs.get(factory)
+            try:
+                spec: Any = specs.get(factory)
+            except TypeError:  # an unhashable factory: never a cache's
+                spec = False
             if spec is None:
                 spec = False if factory is None else _spec_of(self.dialect, factory)
             if not spec or len(entry) != 7:

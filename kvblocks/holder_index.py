@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import operator
 import secrets
-import sys
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -76,7 +75,6 @@ class HolderIndex:
         self._held: dict[int, int] = {}  # bit -> rows holding it
         self.suspect = 0  # bits of workers whose caches may not be prefix-closed
         self._scan_cost: dict[int, int] = {}  # bit -> plain-scan probes spent on it since its last check
-        self.checks = 0  # closure verifications run
         self._live = 0
         self._used = 0  # live rows + tombstones
         self._allocate(max(16, 1 << (max(capacity, 1) - 1).bit_length()))
@@ -150,7 +148,7 @@ class HolderIndex:
         rank = np.arange(len(order), dtype=np.int64)
         pos = np.maximum.accumulate(home[order] - rank) + rank if len(order) else rank
         columns = [
-            (np.frombuffer(self._keys, dtype=np.uint64)[live][order], "Q", np.uint64),
+            (keys[order], "Q", np.uint64),
             (np.frombuffer(self._parents, dtype=np.uint64)[live][order], "Q", np.uint64),
             (np.frombuffer(self._has_parent, dtype=np.uint8)[live][order], "B", np.uint8),
             (ids[live][order], "i", np.int32),
@@ -367,7 +365,6 @@ class HolderIndex:
         """Check worker ``bit``'s closure (every block it holds has its parent held by it, or is a root);
         trust it again if so. One pass over its rows."""
         b = 1 << bit
-        self.checks += 1
         masks, ids, parents, has_parent = self._masks, self._ids, self._parents, self._has_parent
         for slot in self._slots_of(b).tolist():
             if has_parent[slot]:
@@ -398,16 +395,6 @@ class HolderIndex:
         for slot in np.flatnonzero(np.frombuffer(ids, dtype=np.int32) > 0).tolist():
             yield keys[slot], masks[ids[slot]]
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes the index holds: its arrays, and the interned masks with their table."""
-        arrays = sum(a.itemsize * len(a) for a in (self._keys, self._parents, self._has_parent, self._ids, self._kids))
-        interned = sum(sys.getsizeof(m) for m in self._masks) + sys.getsizeof(self._masks)
-        tables = (
-            sys.getsizeof(self._mask_ids) + sys.getsizeof(self._pending_kids) + self._refs.itemsize * len(self._refs)
-        )
-        return arrays + interned + tables
-
     def _probes(self, hashes: Sequence[BlockHash]) -> tuple[Callable[[int], int], Callable[[int], bool]]:
         """``probe(i)``: the holders of the prompt's block ``i``; ``linked(i)``: a held block ``i``'s
         recorded parent is the prompt's block ``i - 1``. Both remember what they looked up."""
@@ -415,7 +402,6 @@ class HolderIndex:
         masks, ids, parents, has_parent = self._masks, self._ids, self._parents, self._has_parent
         slots: dict[int, int] = {}  # probed position -> slot (-1: no row)
         folded: dict[int, int] = {}  # position -> key, for the positions probed or link-checked
-
         keys, shift = self._keys, self._shift
 
         def key_at(i: int) -> int:
@@ -561,8 +547,7 @@ class HolderIndex:
             bit = low.bit_length() - 1
             cost = self._scan_cost.get(bit, 0) + probes
             if cost > 256 + self._held.get(bit, 0):
-                self._scan_cost[bit] = 0
-                self.verify(bit)
+                self.verify(bit)  # resets the cost, or trusts the worker again
             else:
                 self._scan_cost[bit] = cost
 

@@ -448,6 +448,12 @@ class Router:
                 w.held[tier] += 1
         self._index.add_keys(w.bit, keys, None if parent is None else fold(parent))
 
+    @property
+    def _device_only(self) -> bool:
+        """Only device blocks are held (every overlap is its run at the device weight)."""
+        tiers = self._tiers
+        return tiers is None or (not tiers["host"] and not tiers["storage"])
+
     def _split_tiers(self) -> None:
         """A tier other than the device appears: from now on each tier keeps its own masks (the index
         keeps their union, for the walk)."""
@@ -524,17 +530,13 @@ class Router:
         with none are left out, so the cost does not grow with idle workers). Pure."""
         return {self._by_bit[bit].id: v for bit, v in self._overlaps(hashes, self._healthy).items()}
 
-    def _runs(self, hashes: Sequence[BlockHash], alive: int) -> list[tuple[int, int]]:
-        """(leading run, mask of the workers whose run it is), one entry per distinct run, shortest first."""
-        return self._index.runs(hashes, alive)
-
     def _weighted(self, hashes: Sequence[BlockHash], bit: int, run: int) -> float:
         """A run's overlap with each block weighted by the best tier of ``bit``'s worker holding it."""
         weights = self._weights
         device = weights.get("device", 0.0)
-        tiers = self._tiers
-        if tiers is None or (not tiers["host"] and not tiers["storage"]):
+        if self._device_only:
             return run * device
+        tiers = cast(dict[str, dict[int, int]], self._tiers)
         device_masks, host_masks = tiers["device"], tiers["host"]
         host_w, storage_w = weights.get("host", 0.0), weights.get("storage", 0.0)
         fold = self._index.fold
@@ -553,7 +555,7 @@ class Router:
     def _overlaps(self, hashes: Sequence[BlockHash], alive: int) -> dict[int, float]:
         """Weighted overlap by worker bit, for the workers of ``alive`` with a nonzero run."""
         out: dict[int, float] = {}
-        for run, mask in self._runs(hashes, alive):
+        for run, mask in self._index.runs(hashes, alive):
             if not run:
                 continue
             while mask:
@@ -685,8 +687,7 @@ class Router:
         idle = self._least_loaded()  # as if it held nothing: a worker's true cost is never higher
         if idle is not None:
             best, best_cost, best_tie = idle[4], pw * blocks + idle[0], (idle[1], idle[2])
-        tiers = self._tiers
-        device_only = tiers is None or (not tiers["host"] and not tiers["storage"])
+        device_only = self._device_only
         device = self._weights.get("device", 0.0)
         top_weight = max(self._weights.values(), default=0.0)
         # no worker's load cost is below the heap's top (with eviction pressure scaled per prompt: below 0)

@@ -38,7 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from kvblocks.errors import ConfigError, InvalidArgumentError
 from kvblocks.event_codec import BlockStored, is_group_tag
@@ -52,6 +52,7 @@ from kvblocks.tiers.writer import AsyncWriter, EntryPool
 __all__ = ["LoadOutcome", "StorageTier", "StorageTierStats"]
 
 _log = logging.getLogger("kvblocks.tiers")
+_Read = TypeVar("_Read")  # what a guarded read returns: a LoadOutcome, or a count of blocks read
 _MAX_QUEUED_PROBES = 256
 _FOREIGN = frozenset({"other format version", "other scheme, dtype, shape or spec"})
 _WRONG_KEY = "written under another key"
@@ -453,12 +454,16 @@ class StorageTier:
 
     def _read_or_miss(self, hashes: tuple[BlockHash, ...]) -> LoadOutcome:
         """:meth:`_read`, where a backend that raises (a bug) makes every block a miss instead of an error."""
+        return self._or_miss(lambda: self._read(hashes), len(hashes), LoadOutcome(()))
+
+    def _or_miss(self, read: Callable[[], _Read], blocks: int, miss: _Read) -> _Read:
+        """``read()``, or -- when the backend raises (a bug) -- ``miss``, its ``blocks`` counted as load errors."""
         try:
-            return self._read(hashes)
+            return read()
         except Exception:
             _log.exception("storage read failed")
-            self.stats.load_errors += len(hashes)
-            return LoadOutcome(())
+            self.stats.load_errors += blocks
+            return miss
 
     def cancel(self, request_id: int) -> None:
         """The caller no longer wants a queued read: the reader skips it if it has not started it."""
@@ -587,12 +592,7 @@ class StorageTier:
         checked = tuple(hashes)
         parts = self._checked_targets(checked, targets)
         self.stats.loads_requested += len(checked)
-        try:
-            return self._read_into(checked, parts)
-        except Exception:
-            _log.exception("storage read failed")
-            self.stats.load_errors += len(checked)
-            return 0
+        return self._or_miss(lambda: self._read_into(checked, parts), len(checked), 0)
 
     def _checked_targets(
         self, hashes: tuple[BlockHash, ...], targets: Sequence[Sequence[Any]]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -109,9 +110,13 @@ class LayerBlocks:
         target = np.frombuffer(out, dtype=np.uint8)
         if target.size != self.bytes_per_block:
             raise InvalidArgumentError(f"a block payload is {self.bytes_per_block} bytes, the buffer {target.size}")
+        self._copy_block(b, target)
+
+    def _copy_block(self, b: int, target: np.ndarray) -> None:
+        """Host tensors: block ``b`` of every layer into ``target`` (a payload's bytes), one memcpy each."""
         per = self.bytes_per_layer_block
-        for layer, host in enumerate(self._host):
-            np.copyto(target[layer * per : (layer + 1) * per], host[b].reshape(-1))
+        for layer, host in enumerate(cast(list[np.ndarray], self._host)):
+            target[layer * per : (layer + 1) * per] = host[b].reshape(-1)
 
     def read(self, block_ids: Sequence[int]) -> list[memoryview]:
         """The payloads of ``block_ids``, copied out of the tensors now (the blocks may be reused at once).
@@ -132,12 +137,8 @@ class LayerBlocks:
             if self._read_buffer.size < len(ids) * size:
                 self._read_buffer = np.empty(len(ids) * size, dtype=np.uint8)
             flat = self._read_buffer
-            per = self.bytes_per_layer_block
             for i, b in enumerate(ids):
-                start = i * size
-                for layer, host in enumerate(self._host):
-                    offset = start + layer * per
-                    flat[offset : offset + per] = host[b].reshape(-1)
+                self._copy_block(b, flat[i * size : (i + 1) * size])
         view = memoryview(flat)  # type: ignore[arg-type]
         return [view[i * size : (i + 1) * size] for i in range(len(ids))]
 

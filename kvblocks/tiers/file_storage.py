@@ -30,7 +30,7 @@ import xxhash
 
 from kvblocks.errors import ConfigError
 from kvblocks.tiers.entry import valid_key
-from kvblocks.tiers.storage import StorageStats
+from kvblocks.tiers.storage import StorageStats, byte_view
 
 __all__ = ["FileStorage"]
 
@@ -222,12 +222,7 @@ class FileStorage:
         Counted as :meth:`get` counts one key.
         """
         valid_key(key)
-        views = [
-            buffer
-            if type(buffer) is memoryview and buffer.format == "B" and buffer.ndim == 1
-            else memoryview(buffer).cast("B")
-            for buffer in buffers
-        ]
+        views = [byte_view(buffer) for buffer in buffers]
         self.stats.gets += 1
         try:
             with open(self._path(key), "rb", buffering=0) as handle:

@@ -18,12 +18,20 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from kvblocks.errors import ConfigError
 from kvblocks.tiers.entry import valid_key
 
 __all__ = ["MemoryStorage", "StorageBackend", "StorageStats", "usable_prefix"]
+
+
+def byte_view(buffer: Any) -> memoryview:
+    """``buffer`` (writable or not) as a flat memoryview of bytes: itself when it already is one, since a
+    read into place passes one per layer per block."""
+    if type(buffer) is memoryview and buffer.format == "B" and buffer.ndim == 1:
+        return buffer
+    return memoryview(buffer).cast("B")
 
 
 @dataclass

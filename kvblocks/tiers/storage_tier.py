@@ -46,7 +46,7 @@ from kvblocks.events import EventSink, record_changes
 from kvblocks.hashing import BlockHash, Namespace
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.entry import HEADER, EntryFormat, block_key, namespace_tag
-from kvblocks.tiers.storage import StorageBackend
+from kvblocks.tiers.storage import StorageBackend, byte_view
 from kvblocks.tiers.writer import AsyncWriter, EntryPool
 
 __all__ = ["LoadOutcome", "StorageTier", "StorageTierStats"]
@@ -98,13 +98,6 @@ class _Request:
     hashes: tuple[BlockHash, ...]
     load: bool
     cancelled: bool = field(default=False)
-
-
-def _byte_view(buffer: Any) -> memoryview:
-    """``buffer`` as a flat memoryview of bytes (itself when it already is one: loads pass many)."""
-    if type(buffer) is memoryview and buffer.format == "B" and buffer.ndim == 1:
-        return buffer
-    return memoryview(buffer).cast("B")
 
 
 def _scatter(payload: memoryview, views: list[memoryview]) -> None:
@@ -605,7 +598,7 @@ class StorageTier:
         out = []
         for target in targets:
             try:
-                views = [_byte_view(part) for part in target]
+                views = [byte_view(part) for part in target]
             except (TypeError, ValueError) as e:
                 raise InvalidArgumentError(f"a read target must be contiguous buffers: {e}") from None
             if any(view.readonly for view in views):

@@ -212,19 +212,19 @@ class EntryFormat:
     def check_read(
         self, header: bytes | bytearray | memoryview, length: int | None, payload: Sequence[object], key: str | None
     ) -> str:
-        """Why an entry read in parts is not a sound entry of this format under ``key`` ("" when it is).
+        """Why an entry read in parts is not a sound entry of this format under ``key`` ("" when it is):
+        the checks of :meth:`decode` (which reads its entry as one part), in the same order.
 
-        For a read straight into place (``FileStorage.get_into``): ``length`` is the stored entry's
-        size (None: absent), ``header`` its first ``min(length, HEADER.size)`` bytes, ``payload`` the
-        buffers its payload went into, in order (looked at only when the length is right). Gives the
-        reason :meth:`decode` gives for the same bytes, in the same order of checks; the checksum is
-        streamed over the buffers (xxh3's ``update`` per part equals the one-shot digest).
+        For a read straight into place (``FileStorage.get_into``): ``length`` is the stored entry's size
+        (None: absent), ``header`` its first ``min(length, HEADER.size)`` bytes, ``payload`` the buffers its
+        payload went into, in order (looked at only when the length is right). The checksum is streamed
+        over the buffers (xxh3's ``update`` per part equals the one-shot digest).
         """
         if length is None:
             return "absent"
         head = bytes(header[: min(length, HEADER.size)])
         if len(head) >= 10 and head[:8] == MAGIC and int.from_bytes(head[8:10], "little") != FORMAT_VERSION:
-            return "other format version"
+            return "other format version"  # checked first: an older header has another size
         if length < HEADER.size:
             return "truncated header"
         prefix = self._prefix
@@ -258,19 +258,6 @@ class EntryFormat:
         view = _byte_view(data)
         if view is None:
             return None, "not a byte string"
-        if len(view) >= 10 and bytes(view[:8]) == MAGIC and int.from_bytes(view[8:10], "little") != FORMAT_VERSION:
-            return None, "other format version"  # checked first: an older header has another size
-        if len(view) < HEADER.size:
-            return None, "truncated header"
-        prefix = self._prefix
-        if bytes(view[: len(prefix)]) != prefix:
-            return None, "bad magic" if bytes(view[:8]) != MAGIC else "other scheme, dtype, shape or spec"
         payload = view[HEADER.size :]
-        if len(payload) != self.payload_length:
-            return None, "truncated payload" if len(payload) < self.payload_length else "overlong payload"
-        checksum = int.from_bytes(view[HEADER.size - 8 : HEADER.size], "little")
-        if xxhash.xxh3_64_intdigest(payload) != checksum:
-            return None, "checksum mismatch"
-        if key is not None and int.from_bytes(view[len(prefix) : HEADER.size - 8], "little") != key_digest(key):
-            return None, "written under another key"
-        return payload, ""
+        reason = self.check_read(view, len(view), (payload,), key)
+        return (None, reason) if reason else (payload, "")

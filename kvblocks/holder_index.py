@@ -108,6 +108,20 @@ class HolderIndex:
             return xxhash.xxh3_64_intdigest(data, self._seed ^ _WIDE_INT_SEED)  # apart from bytes digests
         raise InvalidBlockHashError(f"a block hash is an int or bytes, got {type(h).__name__}")
 
+    def fold_all(self, hashes: Iterable[BlockHash]) -> list[int]:
+        """``[fold(h) for h in hashes]``, in C when every hash is a 64-bit int (an event's usual batch):
+        ``array('Q')`` refuses anything else, and a ``bool`` (which it would take) sends the batch to the
+        per-item path, which refuses it."""
+        hashes = hashes if type(hashes) is list else list(hashes)
+        try:
+            packed = array("Q", hashes)
+        except (TypeError, OverflowError):
+            packed = None
+        if packed is None or bool in set(map(type, hashes)):
+            fold = self.fold
+            return [fold(h) for h in hashes]
+        return packed.tolist()
+
     def _find(self, key: int) -> int:
         """The slot of ``key``'s row, or -1."""
         ids, keys = self._ids, self._keys
@@ -218,8 +232,7 @@ class HolderIndex:
     def add(self, bit: int, hashes: Iterable[BlockHash], parent: BlockHash | None) -> int:
         """Worker ``bit`` holds the chain ``hashes`` (``parent``'s children, in order). Returns how many it
         did not hold before."""
-        fold = self.fold
-        return self.add_keys(bit, [fold(h) for h in hashes], None if parent is None else fold(parent))
+        return self.add_keys(bit, self.fold_all(hashes), None if parent is None else self.fold(parent))
 
     def add_keys(self, bit: int, keys: Sequence[int], parent: int | None) -> int:
         """:meth:`add` with keys already folded."""
@@ -296,20 +309,62 @@ class HolderIndex:
 
     def remove(self, bit: int, hashes: Iterable[BlockHash]) -> int:
         """Worker ``bit`` no longer holds ``hashes``. Returns how many it held."""
-        fold = self.fold
-        return self.remove_keys(bit, [fold(h) for h in hashes])
+        return self.remove_keys(bit, self.fold_all(hashes))
 
     def remove_keys(self, bit: int, keys: Iterable[int]) -> int:
         """:meth:`remove` with keys already folded. A worker that removes a block someone holds a child
         of (after the whole batch: a chain removed head first is not a hole) becomes suspect."""
         b = 1 << bit
-        masks, ids, find = self._masks, self._ids, self._find
+        masks, ids, table_keys, kids = self._masks, self._ids, self._keys, self._kids
+        parents, has_parent, refs, dead = self._parents, self._has_parent, self._refs, self._dead
+        pending, shift = self._pending_kids, self._shift
+        moves: dict[int, int] = {}  # old mask id -> new (0: no holder left), memoised as in add_keys
         removed: list[tuple[int, int]] = []  # (key, slot): no rehash happens in a removal, slots hold
-        for key in keys:
-            slot = find(key)
-            if slot >= 0 and masks[ids[slot]] & b:
-                self._drop_bit(slot, b)
-                removed.append((key, slot))
+        for key in keys:  # _find, _add_kid and the bit's drop, inlined: eviction events are the hot path
+            slot = ((key * _GOLD) & M64) >> shift
+            while True:
+                old = ids[slot]
+                if old > 0:
+                    if table_keys[slot] == key:
+                        break
+                elif not old:
+                    break
+                slot += 1
+            if old <= 0 or not masks[old] & b:
+                continue
+            if has_parent[slot]:  # one kid fewer under its parent (or the parent's pending count)
+                up = parents[slot]
+                p = ((up * _GOLD) & M64) >> shift
+                while True:
+                    v = ids[p]
+                    if v > 0:
+                        if table_keys[p] == up:
+                            kids[p] -= 1
+                            break
+                    elif not v:
+                        count = pending.get(up, 0) - 1
+                        if count:
+                            pending[up] = count
+                        else:
+                            pending.pop(up, None)
+                        break
+                    p += 1
+            new = moves.get(old)
+            if new is None:
+                mask = masks[old] & ~b
+                new = moves[old] = self._intern(mask) if mask else 0
+            refs[old] -= 1
+            if not refs[old]:
+                dead.append(old)
+            if new:
+                refs[new] += 1
+                ids[slot] = new
+            else:
+                ids[slot] = _TOMB
+                self._live -= 1
+                if kids[slot]:
+                    pending[key] = pending.get(key, 0) + kids[slot]
+            removed.append((key, slot))
         self._sweep()
         if removed:
             self._held[bit] -= len(removed)

@@ -49,14 +49,11 @@ import math
 import random
 import time
 import warnings
-from array import array
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import cast
-
-import numpy as np
 
 from kvblocks.errors import ConfigError, InvalidArgumentError, KVBlocksError
 from kvblocks.event_codec import is_prefix_event
@@ -87,27 +84,6 @@ HASH_FORMS: dict[str, Callable[[BlockHash], BlockHash] | None] = {
 """How the workers' events write a block hash: as the scheme makes it (``"native"``), as vLLM's 64-bit
 integer form (``"vllm-int64"``, vLLM's default: :func:`kvblocks.hashing.vllm_int_hash`), or as SGLang's
 (``"sglang-int64"``: :func:`kvblocks.hashing.sglang_int_hash`)."""
-
-
-def _checked_hashes(block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
-    """Block hashes as ``validate_block_hashes`` takes them (ints >= 0, non-empty bytes), checked in C in the
-    usual cases: a 2,048-block prompt's per-item check would cost more than routing it. 64-bit ints: packed
-    into an ``array('Q')``, which refuses anything else and any value out of range, the smallest >= 2 (a 0
-    or 1 may be a bool). Digests: all ``bytes``, none empty. Anything else takes the per-item check, which
-    names the offending position. Repeats pass: the router builds no tree from a prompt, and a hash that
-    repeats simply ends the prompt's chain where it does (the walk's link check sees it)."""
-    out = list(block_hashes)
-    if not out:
-        return out
-    try:
-        packed = np.frombuffer(array("Q", cast(list[int], out)), dtype=np.uint64)
-    except (TypeError, OverflowError):
-        if set(map(type, out)) == {bytes} and all(out):
-            return out
-        return validate_block_hashes(out, distinct=False)
-    if packed.min() < 2:
-        return validate_block_hashes(out, distinct=False)
-    return out  # numpy integers and the like among them index as the ints they are
 
 
 class NoWorkerError(KVBlocksError, RuntimeError):
@@ -439,14 +415,13 @@ class Router:
         tiers = cast(dict[str, dict[int, int]], self._tiers)
         bit = 1 << w.bit
         masks = tiers[tier]
-        fold = self._index.fold
-        keys = [fold(h) for h in hashes]
+        keys = self._index.fold_all(hashes)
         for key in keys:
             m = masks.get(key, 0)
             if not m & bit:
                 masks[key] = m | bit
                 w.held[tier] += 1
-        self._index.add_keys(w.bit, keys, None if parent is None else fold(parent))
+        self._index.add_keys(w.bit, keys, None if parent is None else self._index.fold(parent))
 
     @property
     def _device_only(self) -> bool:
@@ -469,7 +444,7 @@ class Router:
             return
         bit = 1 << w.bit
         masks = self._tiers[tier]
-        keys = dict.fromkeys(map(self._index.fold, hashes))
+        keys = dict.fromkeys(self._index.fold_all(hashes))
         self._remove_keys(w, tier, [k for k in keys if masks.get(k, 0) & bit])
 
     def _clear(self, w: _Worker, tiers: Iterable[str]) -> None:
@@ -628,7 +603,7 @@ class Router:
                 raise InvalidArgumentError("give token_ids or block_hashes, not both")
             if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
                 raise InvalidArgumentError("block_hashes need num_tokens, the prompt length")
-            hashes: Sequence[BlockHash] = _checked_hashes(block_hashes)  # not hashes: refused (repeats pass)
+            hashes: Sequence[BlockHash] = validate_block_hashes(block_hashes, distinct=False)  # repeats pass
             if len(hashes) > num_tokens // size:
                 raise InvalidArgumentError(f"{len(hashes)} block hashes for a {num_tokens}-token prompt")
             prompt_tokens = num_tokens

@@ -406,3 +406,43 @@ def test_truncate_takes_an_append_back_exactly(tokens: list[int], data) -> None:
     assert content.num_tokens == keep and content.hashes == HashedTokens(hasher, tokens[:keep]).hashes
     with pytest.raises(InvalidArgumentError):
         content.truncate(keep + 1)
+
+
+_HASH_LIKE = st.one_of(
+    st.integers(min_value=-3, max_value=3),
+    st.integers(min_value=0, max_value=(1 << 64) - 1),
+    st.integers(min_value=1 << 64, max_value=1 << 80),
+    st.integers(max_value=-1),
+    st.booleans(),
+    st.binary(max_size=3),
+    st.integers(min_value=0, max_value=(1 << 63) - 1).map(np.int64),
+    st.integers(min_value=0, max_value=(1 << 64) - 1).map(np.uint64),
+    st.floats(allow_nan=False),
+    st.none(),
+)
+
+
+def _oracle_hash(h: object) -> object:
+    """What one item of a valid chain becomes, or None when it is refused (written apart from the code)."""
+    if type(h) is bytes:
+        return h if h else None
+    if isinstance(h, bool) or not isinstance(h, int | np.integer):
+        return None
+    return int(h) if h >= 0 else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_HASH_LIKE, max_size=8), st.booleans())
+def test_validate_block_hashes_takes_exactly_the_valid_chains(hashes: list[object], distinct: bool) -> None:
+    """The C fast path (plain ints, or all bytes) and the per-item path agree with the per-item rules: ints >= 0
+    (numpy integers become ints, bools are refused), non-empty bytes, no repeat unless ``distinct=False``."""
+    from kvblocks.hashing import validate_block_hashes
+
+    expected = [_oracle_hash(h) for h in hashes]
+    ok = None not in expected and (not distinct or len(set(expected)) == len(expected))  # type: ignore[arg-type]
+    if not ok:
+        with pytest.raises(InvalidBlockHashError):
+            validate_block_hashes(hashes, distinct=distinct)  # type: ignore[arg-type]
+        return
+    got = validate_block_hashes(hashes, distinct=distinct)  # type: ignore[arg-type]
+    assert got == expected and [type(h) for h in got] == [type(h) for h in expected]

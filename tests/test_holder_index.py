@@ -11,11 +11,12 @@ from __future__ import annotations
 import random
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvblocks.errors import IntegrityError
+from kvblocks.errors import IntegrityError, InvalidBlockHashError
 from kvblocks.holder_index import HolderIndex
 
 WORKERS = 5
@@ -184,6 +185,33 @@ def test_bytes_and_wide_ints_fold_apart() -> None:
     assert index.holders(b"\x05") == index.holders(5) == index.holders(1 << 70) == 1
     assert len({index.fold(b"\x05"), index.fold(5), index.fold(1 << 70)}) == 3
     assert index.holders(b"\x06") == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(min_value=-2, max_value=(1 << 64) + 2),
+            st.integers(min_value=1 << 64, max_value=1 << 90),
+            st.booleans(),
+            st.binary(max_size=3),
+            st.integers(min_value=0, max_value=(1 << 64) - 1).map(np.uint64),
+            st.floats(allow_nan=False),
+        ),
+        max_size=6,
+    )
+)
+def test_fold_all_is_fold_of_each(hashes: list[object]) -> None:
+    """The batch fold (C when all are 64-bit ints) keys and refuses exactly as one fold per hash."""
+    index = HolderIndex()
+    try:
+        expected = [index.fold(h) for h in hashes]  # type: ignore[arg-type]
+    except InvalidBlockHashError:
+        with pytest.raises(InvalidBlockHashError):
+            index.fold_all(hashes)  # type: ignore[arg-type]
+        return
+    got = index.fold_all(iter(hashes))  # type: ignore[arg-type]
+    assert got == expected and all(type(k) is int for k in got)
 
 
 def test_growth_keeps_every_row() -> None:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvblocks.errors import InvalidArgumentError, SequenceStateError
+from kvblocks.errors import ConfigError, InvalidArgumentError, SequenceStateError
 from kvblocks.hashing import Namespace
 from kvblocks.tiers import FileStorage, MemoryStorage
 from kvblocks.tiers.config import TierConfig
@@ -120,14 +120,14 @@ def test_an_entry_under_another_key_and_a_missing_one(tmp_path: Path) -> None:
 def test_an_unreadable_file_is_a_counted_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     storage = FileStorage(tmp_path)
     storage.put([(KEY, FMT.encode(bytes(256), KEY))])
-    real_open = open
+    real_open = os.open
 
     def denied(path, *args, **kwargs):  # type: ignore[no-untyped-def]
         if str(path).endswith(KEY):
             raise PermissionError(13, "denied")
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr("builtins.open", denied)
+    monkeypatch.setattr(os, "open", denied)  # get_into opens with os.open (no io object per entry)
     assert storage.get_into(KEY, [bytearray(HEADER.size), bytearray(256)]) is None
     assert storage.stats.get_errors == 1 and storage.stats.misses == 1
 
@@ -185,17 +185,18 @@ def plant(tier: StorageTier, hashes: list[bytes], states: list[str]) -> list[byt
     return payloads
 
 
-@pytest.mark.parametrize("backend", ["file", "memory"])
+@pytest.mark.parametrize("backend", ["file", "file-shared", "memory"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(states=st.lists(STATES, min_size=1, max_size=6))
 def test_read_into_agrees_with_read(tmp_path_factory: pytest.TempPathFactory, backend: str, states) -> None:
     """Same leading run, same payloads, same stats, same index, same entries left: for a backend that
-    reads into place (files) and one that does not (memory: read + copy)."""
+    reads into place (files; "shared": every read of two blocks or more split with the helper thread)
+    and one that does not (memory: read + copy)."""
     hashes = [bytes([i]) * 16 for i in range(len(states))]
 
     def fresh() -> StorageTier:
-        storage = FileStorage(tmp_path_factory.mktemp("t")) if backend == "file" else MemoryStorage()
-        tier = tier_on(storage)
+        storage = MemoryStorage() if backend == "memory" else FileStorage(tmp_path_factory.mktemp("t"))
+        tier = tier_on(storage, shared_read_bytes=0 if backend == "file-shared" else None)
         tier._remember(hashes)
         return tier
 
@@ -242,6 +243,90 @@ def test_a_raising_backend_makes_every_block_a_counted_miss(tmp_path: Path) -> N
         assert tier.stats.load_errors == 2 and tier.stats.loads_requested == 2
     finally:
         tier.close()
+
+
+class Watched(FileStorage):
+    """A FileStorage that records which thread read each key, and how many reads are under way."""
+
+    def __init__(self, root: Path, fail: str | None = None) -> None:
+        super().__init__(root)
+        self.fail = fail
+        self.readers: dict[str, list[str]] = {}
+        self.in_flight = 0
+        self.peak = 0
+        self._watch = threading.Lock()
+
+    def get_into(self, key: str, buffers: Sequence[object]) -> int | None:
+        with self._watch:
+            self.readers.setdefault(key, []).append(threading.current_thread().name)
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        try:
+            threading.Event().wait(0.002)  # long enough that the helper gets its turns
+            if key == self.fail:
+                raise RuntimeError("bug")
+            return super().get_into(key, buffers)
+        finally:
+            with self._watch:
+                self.in_flight -= 1
+
+
+def test_a_shared_read_uses_both_threads_and_reads_each_entry_once(tmp_path: Path) -> None:
+    tier = tier_on(Watched(tmp_path), shared_read_bytes=0)
+    try:
+        hashes = [bytes([i + 1]) * 16 for i in range(24)]
+        payloads = plant(tier, hashes, ["sound"] * len(hashes))
+        targets = [[bytearray(56), bytearray(200)] for _ in hashes]
+        assert tier.read_into(hashes, targets) == len(hashes)
+        storage: Watched = tier.backend  # type: ignore[assignment]
+        assert storage.in_flight == 0 and storage.peak == 2  # both threads at once, and done on return
+        assert all(len(names) == 1 for names in storage.readers.values()) and len(storage.readers) == len(hashes)
+        threads = {name for names in storage.readers.values() for name in names}
+        assert len(threads) == 2 and any(name.startswith("kvblocks-storage-read-helper") for name in threads)
+        assert [b"".join(t) for t in targets] == payloads
+        assert tier.stats.loads_hit == len(hashes) and tier.backend.stats.hits == len(hashes)
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("failing", [0, 5, 11])
+def test_a_bug_on_either_thread_is_a_whole_miss_returned_once_both_stopped(tmp_path: Path, failing: int) -> None:
+    hashes = [bytes([i + 1]) * 16 for i in range(12)]
+    tier = tier_on(FileStorage(tmp_path), shared_read_bytes=0)
+    (fail,) = tier.keys_of(hashes[failing])
+    tier.close()
+    tier = tier_on(Watched(tmp_path, fail=fail), shared_read_bytes=0)
+    try:
+        plant(tier, hashes, ["sound"] * len(hashes))
+        assert tier.read_into(hashes, [[bytearray(256)] for _ in hashes]) == 0
+        storage: Watched = tier.backend  # type: ignore[assignment]
+        assert storage.in_flight == 0  # no read still writing into the caller's buffers
+        assert tier.stats.load_errors == len(hashes) and tier.stats.loads_hit == 0
+    finally:
+        tier.close()
+
+
+def test_small_reads_and_a_closed_tier_read_on_the_calling_thread(tmp_path: Path) -> None:
+    hashes = [bytes([i + 1]) * 16 for i in range(4)]
+    for limit, close_first in [(4 * 256 + 1, False), (None, False), (0, True)]:
+        tier = tier_on(Watched(tmp_path / f"{limit}-{close_first}"), shared_read_bytes=limit)
+        try:
+            payloads = plant(tier, hashes, ["sound"] * len(hashes))
+            if close_first:
+                tier.close()
+            targets = [[bytearray(256)] for _ in hashes]
+            assert tier.read_into(hashes, targets) == len(hashes)
+            storage: Watched = tier.backend  # type: ignore[assignment]
+            assert {n for names in storage.readers.values() for n in names} == {threading.current_thread().name}
+            assert [bytes(t[0]) for t in targets] == payloads
+        finally:
+            tier.close()
+
+
+def test_shared_read_bytes_is_checked(tmp_path: Path) -> None:
+    for bad in (-1, True, 1.5, "1"):
+        with pytest.raises(ConfigError):
+            tier_on(FileStorage(tmp_path), shared_read_bytes=bad)
 
 
 # ------------------------------------------------------------------ save_built and the pool

@@ -18,7 +18,6 @@ counted; a read that fails is a miss, counted.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import threading
 from collections import OrderedDict
@@ -36,25 +35,28 @@ __all__ = ["FileStorage"]
 
 _TEMP_PREFIX = ".tmp-"
 _PREADV = getattr(os, "preadv", None)
+_O_READ = os.O_RDONLY | getattr(os, "O_BINARY", 0)  # O_BINARY: Windows only
 _IOV_MAX = 16  # buffers per preadv call: at least this many on every platform, raised below where known
 if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names:
     _IOV_MAX = max(_IOV_MAX, min(1024, os.sysconf("SC_IOV_MAX")))
 
 
-def _read_fully(handle: io.FileIO, views: list[memoryview]) -> None:
+def _read_fully(fd: int, views: list[memoryview]) -> None:
     """Fill ``views`` from the file's start, in order, until they are full or the file ends.
 
     ``preadv`` may return short (a signal, the kernel's per-call limits) and takes at most
     ``IOV_MAX`` buffers: it is called again on what is left, and a read of 0 bytes means the end.
     """
-    fd = handle.fileno()
     offset = 0
     pending = [view for view in views if len(view)]
     while pending:
         if _PREADV is not None:
             got = _PREADV(fd, pending[:_IOV_MAX], offset)
-        else:
-            got = handle.readinto(pending[0]) or 0
+        else:  # no preadv (Windows): read the first buffer's worth and copy it in
+            os.lseek(fd, offset, os.SEEK_SET)
+            data = os.read(fd, len(pending[0]))
+            got = len(data)
+            pending[0][:got] = data
         if got <= 0:
             return
         offset += got
@@ -215,33 +217,46 @@ class FileStorage:
     def get_into(self, key: str, buffers: Sequence[Any]) -> int | None:
         """Read the entry under ``key`` straight into ``buffers``, in order; its length, or None for a miss.
 
-        The entry's first ``min(length, sum of the buffers)`` bytes land in the buffers (one ``preadv``
+        The entry's first ``min(length, sum of the buffers)`` bytes land in the buffers (``preadv``
         where the platform has it): no fresh memory, no second copy, e.g. ``[header, layer0[b], ...,
         layer{L-1}[b]]`` puts a block's KV straight into place. A length other than the buffers' total
         says the entry is short or long; the caller checks the bytes (:meth:`EntryFormat.check_read`).
-        Counted as :meth:`get` counts one key.
+        Counted as :meth:`get` counts one key; safe to call from several threads at once (the counters
+        are kept under the lock), as :meth:`StorageTier.read_into` does.
         """
         valid_key(key)
         views = [byte_view(buffer) for buffer in buffers]
-        self.stats.gets += 1
         try:
-            with open(self._path(key), "rb", buffering=0) as handle:
-                length = os.fstat(handle.fileno()).st_size
-                _read_fully(handle, views)
+            fd = os.open(self._path(key), _O_READ)
         except FileNotFoundError:
             self._forget(key)
-            self.stats.misses += 1
+            self._note_miss(error=False)
             return None
         except OSError:
-            self.stats.get_errors += 1
-            self.stats.misses += 1
+            self._note_miss(error=True)
             return None
-        self._note_hit(key, length)
+        try:
+            length = os.fstat(fd).st_size
+            _read_fully(fd, views)
+        except OSError:
+            self._note_miss(error=True)
+            return None
+        finally:
+            os.close(fd)
+        self._note_hit(key, length, read=True)
         return length
 
-    def _note_hit(self, key: str, size: int) -> None:
-        self.stats.hits += 1
+    def _note_miss(self, *, error: bool) -> None:
         with self._lock:
+            self.stats.gets += 1
+            self.stats.misses += 1
+            self.stats.get_errors += error
+
+    def _note_hit(self, key: str, size: int, *, read: bool = False) -> None:
+        """A hit on ``key`` (``read``: also count the read, as ``get_into`` does under the lock)."""
+        with self._lock:
+            self.stats.gets += read
+            self.stats.hits += 1
             if key in self._index:
                 self._index.move_to_end(key)
             else:  # written by another process sharing the directory

@@ -1,10 +1,11 @@
 """Which workers hold which blocks: the router's inverted index, compact, walked in O(log n) probes.
 
 One row per distinct block, in flat arrays with open addressing (linear probing): the block's 64-bit
-key, the id of its *holder mask* (a bitmask of worker bits), its parent's key, and ``kids``: how many
-(child block, holder) pairs sit directly under it. Holder masks are interned -- every block held by the
-same set of workers shares one Python int -- so a (block, worker) entry costs nothing beyond its bit, and
-a row costs 25 bytes of arrays: 33-67 bytes per distinct block at the table's 37-75% load.
+key, the id of its *holder mask* (a bitmask of worker bits), its parent's key, and the id of its *kid
+vector*: how many children directly under it each worker holds. Both are interned -- every block held by
+the same set of workers shares one Python int, and a chain's interior blocks share their kid vectors -- so
+a (block, worker) entry costs nothing beyond its bit, and a row costs 25 bytes of arrays: 33-67 bytes per
+distinct block at the table's 37-75% load.
 
 The walk. A worker's cache is prefix-closed (it holds a block only with the block's parent), so along a
 prompt's chain the set of workers holding block ``i`` only shrinks as ``i`` grows. :meth:`HolderIndex.runs`
@@ -17,11 +18,12 @@ one probe per block::
 
 Exactness. The bisection trusts two facts, and checks for both:
 
-* *The worker is prefix-closed.* A worker stops being trusted ("suspect") when it stores a block whose
-  parent it does not hold (events out of order) or removes a block while anyone holds a child of it
-  (``kids > 0``: it may have left a hole). A suspect's run is found by a plain scan; the scan's cost is
-  counted, and once it outweighs the worker's size its closure is verified (one pass over its rows) and,
-  where it holds, trust returns. A worker that drops everything is trusted again at once.
+* *The worker is prefix-closed.* Each worker's *orphans* -- blocks it holds without their recorded parent
+  -- are counted exactly, update by update: a block stored before its parent is one, and removing a block
+  makes orphans of the worker's own children under it (its count in the block's kid vector; another
+  worker's children under it are no hole of this one's). A worker with orphans is *suspect* and its run
+  is found by a plain scan; it is trusted again the moment its count returns to 0 (the parent arrives,
+  the orphans go, or it clears).
 * *The prompt is one chain.* Each probed block's recorded parent must be the prompt's block before it
   (a chained hash fixes every hash before it, so an honest prompt always passes). A probe that fails the
   check makes the whole walk a plain scan.
@@ -37,6 +39,7 @@ import operator
 import secrets
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 import numpy as np
 import xxhash
@@ -54,6 +57,112 @@ _WIDE_INT_SEED = 0x5BD1E9955BD1E995  # ints wider than 64 bits fold under anothe
 _EMPTY, _TOMB = 0, -1  # ids[slot]: 0 empty, -1 deleted, > 0 the row's holder-mask id
 
 
+V = TypeVar("V", int, tuple[int, ...])
+
+
+class _Interned(Generic[V]):
+    """Values many rows share, each stored once: ``values[id]``, ``ids[value]`` and ``refs[id]`` (rows
+    using it). Id 0 is the empty value, never counted or freed. An id whose count reaches 0 is freed only
+    by :meth:`sweep`, at the end of an update: an update memoises its id moves, and must not see an id
+    reused under it."""
+
+    __slots__ = ("dead", "free", "ids", "refs", "values")
+
+    def __init__(self, empty: V) -> None:
+        self.values: list[V] = [empty]
+        self.ids: dict[V, int] = {empty: 0}
+        self.refs = array("i", [0])
+        self.free: list[int] = []
+        self.dead: list[int] = []  # ids whose count reached 0 during the update
+
+    def intern(self, value: V) -> int:
+        v = self.ids.get(value)
+        if v is None:
+            if self.free:
+                v = self.free.pop()
+                self.values[v] = value
+            else:
+                v = len(self.values)
+                self.values.append(value)
+                self.refs.append(0)
+            self.ids[value] = v
+        return v
+
+    def move(self, old: int, new: int) -> None:
+        """A row stops using ``old`` and uses ``new`` (either may be 0)."""
+        if old:
+            self.refs[old] -= 1
+            if not self.refs[old]:
+                self.dead.append(old)
+        if new:
+            self.refs[new] += 1
+
+    def sweep(self) -> None:
+        """Free the ids no row uses any more."""
+        refs, values, ids = self.refs, self.values, self.ids
+        for v in self.dead:
+            if not refs[v] and ids.get(values[v]) == v:
+                del ids[values[v]]
+                values[v] = values[0]
+                self.free.append(v)
+        self.dead.clear()
+
+
+# A kid vector: how many children under one block each worker holds, bit-sliced -- plane k is the mask of
+# the workers whose count has bit k set -- so that one worker's +1 or -1 is a few operations on ints, and
+# the common vectors (a chain's interior blocks: one child per holder, the child's own holder mask) are
+# shared like holder masks. E.g. worker 0 with 3 kids and worker 2 with 1: planes (0b101, 0b001).
+
+
+def _bump(planes: tuple[int, ...], b: int) -> tuple[int, ...]:
+    """``planes`` with worker mask ``b``'s count one higher (a binary carry through the planes)."""
+    out = list(planes)
+    for k, plane in enumerate(out):
+        if not plane & b:
+            out[k] = plane | b
+            return tuple(out)
+        out[k] = plane ^ b
+    out.append(b)
+    return tuple(out)
+
+
+def _unbump(planes: tuple[int, ...], b: int) -> tuple[int, ...]:
+    """``planes`` with worker mask ``b``'s count (at least 1) one lower, empty planes at the top dropped."""
+    out = list(planes)
+    for k, plane in enumerate(out):
+        out[k] = plane ^ b
+        if plane & b:
+            break
+    while out and not out[-1]:
+        out.pop()
+    return tuple(out)
+
+
+def _count(planes: tuple[int, ...], b: int) -> int:
+    """Worker mask ``b``'s count."""
+    count, weight = 0, 1
+    for plane in planes:
+        if plane & b:
+            count += weight
+        weight <<= 1
+    return count
+
+
+def _bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        mask ^= low
+        yield low.bit_length() - 1
+
+
+def _counts(planes: tuple[int, ...]) -> dict[int, int]:
+    """bit -> count of a kid vector (the integrity check)."""
+    union = 0
+    for plane in planes:
+        union |= plane
+    return {bit: _count(planes, 1 << bit) for bit in _bits(union)}
+
+
 class HolderIndex:
     """Block key -> mask of holder bits, with parent links for the closure checks (see the module docstring).
 
@@ -66,15 +175,12 @@ class HolderIndex:
 
     def __init__(self, capacity: int = 1024) -> None:
         self._seed = secrets.randbits(64)
-        self._masks: list[int] = [0]  # id -> mask; id 0 is "held by nobody"
-        self._mask_ids: dict[int, int] = {}
-        self._refs = array("i", [0])  # rows using each mask id
-        self._free_ids: list[int] = []
-        self._dead: list[int] = []  # ids whose refs reached 0 during an update, freed at its end
-        self._pending_kids: dict[int, int] = {}  # kids of keys that have no row (their parent is gone)
+        self._holders: _Interned[int] = _Interned(0)  # holder masks: id -> mask of worker bits
+        self._kid_vectors: _Interned[tuple[int, ...]] = _Interned(())  # kid counts per worker (see _bump)
+        self._pending_kids: dict[int, tuple[int, ...]] = {}  # kid vectors of keys that have no row
         self._held: dict[int, int] = {}  # bit -> rows holding it
-        self.suspect = 0  # bits of workers whose caches may not be prefix-closed
-        self._scan_cost: dict[int, int] = {}  # bit -> plain-scan probes spent on it since its last check
+        self._orphans: dict[int, int] = {}  # bit -> blocks it holds without their recorded parent
+        self.suspect = 0  # bits of workers holding an orphan: their caches are not prefix-closed
         self._live = 0
         self._used = 0  # live rows + tombstones
         self._allocate(max(16, 1 << (max(capacity, 1) - 1).bit_length()))
@@ -181,51 +287,34 @@ class HolderIndex:
         self._shift = 64 - (capacity.bit_length() - 1)
         self._used = self._live
 
-    # ------------------------------------------------------------------ holder masks
+    # ------------------------------------------------------------------ kid vectors and orphans
 
-    def _intern(self, mask: int) -> int:
-        v = self._mask_ids.get(mask)
-        if v is None:
-            if self._free_ids:
-                v = self._free_ids.pop()
-                self._masks[v] = mask
-            else:
-                v = len(self._masks)
-                self._masks.append(mask)
-                self._refs.append(0)
-            self._mask_ids[mask] = v
-        return v
-
-    def _retarget(self, slot: int, old: int, new: int) -> None:
-        """Point row ``slot`` from mask id ``old`` to ``new`` (either may be 0: no row before / after)."""
-        refs = self._refs
-        if old:
-            refs[old] -= 1
-            if not refs[old]:
-                self._dead.append(old)
-        if new:
-            refs[new] += 1
-            self._ids[slot] = new
-
-    def _sweep(self) -> None:
-        """Free the mask ids no row uses any more (deferred: a freed id must not be reused mid-update)."""
-        for v in self._dead:
-            if not self._refs[v] and self._mask_ids.get(self._masks[v]) == v:
-                del self._mask_ids[self._masks[v]]
-                self._masks[v] = 0
-                self._free_ids.append(v)
-        self._dead.clear()
-
-    def _add_kid(self, parent: int, delta: int) -> None:
+    def _kid_moved(self, parent: int, b: int, up: bool) -> None:
+        """One (child, worker ``b``) pair more (``up``) or fewer under ``parent`` (its row, or pending)."""
         slot = self._find(parent)
         if slot >= 0:
-            self._kids[slot] += delta
+            vectors = self._kid_vectors
+            old = self._kids[slot]
+            new = vectors.intern((_bump if up else _unbump)(vectors.values[old], b))
+            vectors.move(old, new)
+            self._kids[slot] = new
             return
-        count = self._pending_kids.get(parent, 0) + delta
-        if count:
-            self._pending_kids[parent] = count
+        planes = (_bump if up else _unbump)(self._pending_kids.get(parent, ()), b)
+        if planes:
+            self._pending_kids[parent] = planes
         else:
             self._pending_kids.pop(parent, None)
+
+    def _orphaned(self, bit: int, delta: int) -> None:
+        """Worker ``bit`` holds ``delta`` more blocks without their recorded parent; suspect while any."""
+        if delta:
+            count = self._orphans.get(bit, 0) + delta
+            if count:
+                self._orphans[bit] = count
+                self.suspect |= 1 << bit
+            else:
+                del self._orphans[bit]
+                self.suspect &= ~(1 << bit)
 
     # ------------------------------------------------------------------ updates
 
@@ -238,17 +327,18 @@ class HolderIndex:
         """:meth:`add` with keys already folded."""
         self._reserve(len(keys))
         b = 1 << bit
-        masks, ids, kids = self._masks, self._ids, self._kids
-        parents, has_parent = self._parents, self._has_parent
+        holders, vectors = self._holders, self._kid_vectors
+        masks, refs, dead = holders.values, holders.refs, holders.dead
+        planes_of, kid_refs, kid_dead = vectors.values, vectors.refs, vectors.dead
+        ids, kids, parents, has_parent = self._ids, self._kids, self._parents, self._has_parent
+        table_keys, pending, shift = self._keys, self._pending_kids, self._shift
+        parent_slot, parent_held = -1, False  # the slot of the chain's previous block; whether bit holds it
         if parent is not None:
             parent_slot = self._find(parent)
-            if parent_slot < 0 or not masks[ids[parent_slot]] & b:
-                self.suspect |= b  # a block before its parent: not prefix-closed (for now)
-        else:
-            parent_slot = -1
+            parent_held = parent_slot >= 0 and bool(masks[ids[parent_slot]] & b)
         moves: dict[int, int] = {}  # old mask id -> new, memoised: a chain's blocks share their holders
-        table_keys, refs, dead, pending, shift = self._keys, self._refs, self._dead, self._pending_kids, self._shift
-        added = 0
+        bumps: dict[int, int] = {}  # old kid-vector id -> new (one more pair of bit's), memoised likewise
+        added = orphans = 0
         for key in keys:  # one probe finds the row, or where a new one goes (_find, inlined)
             slot = ((key * _GOLD) & M64) >> shift
             tomb = -1
@@ -263,10 +353,8 @@ class HolderIndex:
                     tomb = slot
                 slot += 1
             if old > 0:
-                if (parents[slot] if has_parent[slot] else None) != parent:
-                    self.suspect |= b  # two stories of this block's parent: trust the recorded one only
                 if masks[old] & b:
-                    parent, parent_slot = key, slot
+                    parent, parent_slot, parent_held = key, slot, True
                     continue
             else:
                 old = 0
@@ -277,7 +365,10 @@ class HolderIndex:
                         self._extend(_PAD)
                     self._used += 1
                 self._live += 1
-                kids[slot] = pending.pop(key, 0) if pending else 0
+                planes = pending.pop(key, ()) if pending else ()
+                kid = vectors.intern(planes) if planes else 0
+                vectors.move(0, kid)
+                kids[slot] = kid
                 table_keys[slot] = key
                 if parent is None:
                     has_parent[slot] = 0
@@ -285,9 +376,13 @@ class HolderIndex:
                 else:
                     has_parent[slot] = 1
                     parents[slot] = parent
+            kid = kids[slot]
+            if kid:  # bit's blocks under this one were orphans (measured before a self-link below adds one)
+                planes = planes_of[kid]
+                orphans -= (planes[0] & b and 1) if len(planes) == 1 else _count(planes, b)
             new = moves.get(old)
             if new is None:
-                new = moves[old] = self._intern(masks[old] | b)
+                new = moves[old] = holders.intern(masks[old] | b)
             if old:
                 refs[old] -= 1
                 if not refs[old]:
@@ -297,14 +392,30 @@ class HolderIndex:
             if has_parent[slot]:
                 recorded = parents[slot]
                 if recorded == parent and parent_slot >= 0:
-                    kids[parent_slot] += 1
-                else:
-                    self._add_kid(recorded, 1)
+                    up = kids[parent_slot]
+                    bumped = bumps.get(up)
+                    if bumped is None:
+                        bumped = bumps[up] = vectors.intern(_bump(planes_of[up], b))
+                    if up:  # vectors.move(up, bumped), inlined
+                        kid_refs[up] -= 1
+                        if not kid_refs[up]:
+                            kid_dead.append(up)
+                    kid_refs[bumped] += 1
+                    kids[parent_slot] = bumped
+                    if not parent_held:
+                        orphans += 1
+                else:  # not the chain's previous block: the recorded parent decides
+                    self._kid_moved(recorded, b, True)
+                    found = self._find(recorded)
+                    if found < 0 or not masks[ids[found]] & b:
+                        orphans += 1
             added += 1
-            parent, parent_slot = key, slot
-        self._sweep()
+            parent, parent_slot, parent_held = key, slot, True
+        holders.sweep()
+        vectors.sweep()
         if added:
             self._held[bit] = self._held.get(bit, 0) + added
+        self._orphaned(bit, orphans)
         return added
 
     def remove(self, bit: int, hashes: Iterable[BlockHash]) -> int:
@@ -312,15 +423,18 @@ class HolderIndex:
         return self.remove_keys(bit, self.fold_all(hashes))
 
     def remove_keys(self, bit: int, keys: Iterable[int]) -> int:
-        """:meth:`remove` with keys already folded. A worker that removes a block someone holds a child
-        of (after the whole batch: a chain removed head first is not a hole) becomes suspect."""
+        """:meth:`remove` with keys already folded. Removing a block makes orphans of the worker's blocks
+        under it (a hole: it is suspect until they go too, or the block comes back)."""
         b = 1 << bit
-        masks, ids, table_keys, kids = self._masks, self._ids, self._keys, self._kids
-        parents, has_parent, refs, dead = self._parents, self._has_parent, self._refs, self._dead
-        pending, shift = self._pending_kids, self._shift
+        holders, vectors = self._holders, self._kid_vectors
+        masks, refs, dead = holders.values, holders.refs, holders.dead
+        planes_of, kid_refs, kid_dead = vectors.values, vectors.refs, vectors.dead
+        ids, kids, parents, has_parent = self._ids, self._kids, self._parents, self._has_parent
+        table_keys, pending, shift = self._keys, self._pending_kids, self._shift
         moves: dict[int, int] = {}  # old mask id -> new (0: no holder left), memoised as in add_keys
-        removed: list[tuple[int, int]] = []  # (key, slot): no rehash happens in a removal, slots hold
-        for key in keys:  # _find, _add_kid and the bit's drop, inlined: eviction events are the hot path
+        drops: dict[int, int] = {}  # old kid-vector id -> new (one pair of bit's fewer)
+        removed = orphans = 0
+        for key in keys:  # _find, _kid_moved and the bit's drop, inlined: eviction events are the hot path
             slot = ((key * _GOLD) & M64) >> shift
             while True:
                 old = ids[slot]
@@ -332,110 +446,107 @@ class HolderIndex:
                 slot += 1
             if old <= 0 or not masks[old] & b:
                 continue
-            if has_parent[slot]:  # one kid fewer under its parent (or the parent's pending count)
+            if has_parent[slot]:  # one pair fewer under the parent (its row, or its pending vector)
                 up = parents[slot]
                 p = ((up * _GOLD) & M64) >> shift
                 while True:
                     v = ids[p]
                     if v > 0:
                         if table_keys[p] == up:
-                            kids[p] -= 1
+                            if not masks[v] & b:
+                                orphans -= 1  # this block was an orphan
+                            kid = kids[p]
+                            dropped = drops.get(kid)
+                            if dropped is None:
+                                dropped = drops[kid] = vectors.intern(_unbump(planes_of[kid], b))
+                            kid_refs[kid] -= 1  # vectors.move(kid, dropped), inlined
+                            if not kid_refs[kid]:
+                                kid_dead.append(kid)
+                            if dropped:
+                                kid_refs[dropped] += 1
+                            kids[p] = dropped
                             break
                     elif not v:
-                        count = pending.get(up, 0) - 1
-                        if count:
-                            pending[up] = count
+                        orphans -= 1
+                        planes = _unbump(pending.get(up, ()), b)
+                        if planes:
+                            pending[up] = planes
                         else:
                             pending.pop(up, None)
                         break
                     p += 1
+            kid = kids[slot]
+            if kid:  # bit's blocks under this one are orphans now
+                planes = planes_of[kid]
+                orphans += (planes[0] & b and 1) if len(planes) == 1 else _count(planes, b)
             new = moves.get(old)
             if new is None:
                 mask = masks[old] & ~b
-                new = moves[old] = self._intern(mask) if mask else 0
+                new = moves[old] = holders.intern(mask) if mask else 0
             refs[old] -= 1
             if not refs[old]:
                 dead.append(old)
             if new:
                 refs[new] += 1
                 ids[slot] = new
-            else:
+            else:  # the row goes; its kid vector waits in pending for the row to come back
                 ids[slot] = _TOMB
                 self._live -= 1
-                if kids[slot]:
-                    pending[key] = pending.get(key, 0) + kids[slot]
-            removed.append((key, slot))
-        self._sweep()
+                if kid:
+                    pending[key] = planes_of[kid]
+                    vectors.move(kid, 0)
+                    kids[slot] = 0
+            removed += 1
+        holders.sweep()
+        vectors.sweep()
         if removed:
-            self._held[bit] -= len(removed)
-            if not self._held[bit]:
-                self._trust(bit)
-            elif not self.suspect & b:
-                kids, pending = self._kids, self._pending_kids
-                for key, slot in removed:  # a row removed whole keeps its kids count in pending
-                    if (kids[slot] if ids[slot] > 0 else pending.get(key, 0)) > 0:
-                        self.suspect |= b
-                        break
-        return len(removed)
-
-    def _drop_bit(self, slot: int, b: int) -> None:
-        old = self._ids[slot]
-        if self._has_parent[slot]:
-            self._add_kid(self._parents[slot], -1)
-        mask = self._masks[old] & ~b
-        if mask:
-            self._retarget(slot, old, self._intern(mask))
-            return
-        self._retarget(slot, old, 0)
-        self._ids[slot] = _TOMB
-        self._live -= 1
-        if self._kids[slot]:
-            key = self._keys[slot]
-            self._pending_kids[key] = self._pending_kids.get(key, 0) + self._kids[slot]
+            self._held[bit] -= removed
+            self._orphaned(bit, orphans)
+        return removed
 
     def clear(self, bit: int) -> int:
         """Worker ``bit`` holds nothing any more. Returns how many blocks it held."""
         b = 1 << bit
         slots = self._slots_of(b)
+        holders, vectors, ids, kids = self._holders, self._kid_vectors, self._ids, self._kids
         for slot in slots.tolist():
-            self._drop_bit(slot, b)
-        self._sweep()
+            if self._has_parent[slot]:
+                self._kid_moved(self._parents[slot], b, False)
+            old = ids[slot]
+            mask = holders.values[old] & ~b
+            new = holders.intern(mask) if mask else 0
+            holders.move(old, new)
+            if new:
+                ids[slot] = new
+                continue
+            ids[slot] = _TOMB
+            self._live -= 1
+            kid = kids[slot]
+            if kid:
+                self._pending_kids[self._keys[slot]] = vectors.values[kid]
+                vectors.move(kid, 0)
+                kids[slot] = 0
+        holders.sweep()
+        vectors.sweep()
         self._held.pop(bit, None)
-        self._trust(bit)
+        self._orphaned(bit, -self._orphans.get(bit, 0))
         return len(slots)
 
     def _slots_of(self, b: int) -> np.ndarray:
         """The slots of the rows whose holders include ``b``."""
-        with_bit = np.fromiter((bool(m & b) for m in self._masks), dtype=bool, count=len(self._masks))
+        masks = self._holders.values
+        with_bit = np.fromiter((bool(m & b) for m in masks), dtype=bool, count=len(masks))
         ids = np.frombuffer(self._ids, dtype=np.int32)
         slots = np.flatnonzero((ids > 0) & with_bit[np.maximum(ids, 0)])
         del ids
         return slots
-
-    def _trust(self, bit: int) -> None:
-        self.suspect &= ~(1 << bit)
-        self._scan_cost.pop(bit, None)
-
-    def verify(self, bit: int) -> bool:
-        """Check worker ``bit``'s closure (every block it holds has its parent held by it, or is a root);
-        trust it again if so. One pass over its rows."""
-        b = 1 << bit
-        masks, ids, parents, has_parent = self._masks, self._ids, self._parents, self._has_parent
-        for slot in self._slots_of(b).tolist():
-            if has_parent[slot]:
-                p = self._find(parents[slot])
-                if p < 0 or not masks[ids[p]] & b:
-                    self._scan_cost[bit] = 0
-                    return False
-        self._trust(bit)
-        return True
 
     # ------------------------------------------------------------------ queries
 
     def holders(self, h: BlockHash) -> int:
         """The mask of the workers holding ``h`` (0 for none)."""
         slot = self._find(self.fold(h))
-        return self._masks[self._ids[slot]] if slot >= 0 else 0
+        return self._holders.values[self._ids[slot]] if slot >= 0 else 0
 
     def held(self, bit: int) -> int:
         """How many blocks worker ``bit`` holds."""
@@ -446,7 +557,7 @@ class HolderIndex:
 
     def items(self) -> Iterator[tuple[int, int]]:
         """(key, holder mask) of every row."""
-        masks, keys, ids = self._masks, self._keys, self._ids
+        masks, keys, ids = self._holders.values, self._keys, self._ids
         for slot in np.flatnonzero(np.frombuffer(ids, dtype=np.int32) > 0).tolist():
             yield keys[slot], masks[ids[slot]]
 
@@ -454,7 +565,7 @@ class HolderIndex:
         """``probe(i)``: the holders of the prompt's block ``i``; ``linked(i)``: a held block ``i``'s
         recorded parent is the prompt's block ``i - 1``. Both remember what they looked up."""
         fold = self.fold
-        masks, ids, parents, has_parent = self._masks, self._ids, self._parents, self._has_parent
+        masks, ids, parents, has_parent = self._holders.values, self._ids, self._parents, self._has_parent
         slots: dict[int, int] = {}  # probed position -> slot (-1: no row)
         folded: dict[int, int] = {}  # position -> key, for the positions probed or link-checked
         keys, shift = self._keys, self._shift
@@ -574,14 +685,13 @@ class HolderIndex:
 
     def _plain(self, probe: Callable[[int], int], n: int, alive: int, min_run: int) -> list[tuple[int, int]]:
         groups: dict[int, int] = {}
-        self._scan(probe, n, alive, groups, count=False)
+        self._scan(probe, n, alive, groups)
         return sorted((run, mask) for run, mask in groups.items() if run >= min_run)
 
-    def _scan(
-        self, probe: Callable[[int], int], n: int, alive: int, groups: dict[int, int], count: bool = True
-    ) -> None:
+    @staticmethod
+    def _scan(probe: Callable[[int], int], n: int, alive: int, groups: dict[int, int]) -> None:
         """One probe per block while any of ``alive`` holds them all (the suspects' path, and the
-        fallback for a prompt that is not one chain). Suspects' probes count toward their verification."""
+        fallback for a prompt that is not one chain)."""
         i, cur = 0, alive
         while cur and i < n:
             m = probe(i) & cur
@@ -591,20 +701,6 @@ class HolderIndex:
             i += 1
         if cur:
             groups[i] = groups.get(i, 0) | cur
-        if count:
-            self._charge(alive, i)
-
-    def _charge(self, suspects: int, probes: int) -> None:
-        """Scans of a suspect cost its probes; past its size (+ a floor) its closure is verified."""
-        while suspects:
-            low = suspects & -suspects
-            suspects ^= low
-            bit = low.bit_length() - 1
-            cost = self._scan_cost.get(bit, 0) + probes
-            if cost > 256 + self._held.get(bit, 0):
-                self.verify(bit)  # resets the cost, or trusts the worker again
-            else:
-                self._scan_cost[bit] = cost
 
     # ------------------------------------------------------------------ integrity
 
@@ -615,32 +711,44 @@ class HolderIndex:
         del ids
         if len(live) != self._live:
             raise IntegrityError(f"holder index: {len(live)} rows, {self._live} counted")
+        holders, vectors = self._holders, self._kid_vectors
         refs: dict[int, int] = {}
+        kid_refs: dict[int, int] = {}
         held: dict[int, int] = {}
-        kids: dict[int, int] = {}
-        by_key: dict[int, int] = {}
+        kids: dict[int, dict[int, int]] = {}  # parent key -> bit -> children it holds there
+        orphans: dict[int, int] = {}
         for slot in live:
-            v = self._ids[slot]
+            v, key = self._ids[slot], self._keys[slot]
             refs[v] = refs.get(v, 0) + 1
-            mask = self._masks[v]
-            if not mask or self._mask_ids.get(mask) != v:
+            kid_refs[self._kids[slot]] = kid_refs.get(self._kids[slot], 0) + 1
+            mask = holders.values[v]
+            if not mask or holders.ids.get(mask) != v:
                 raise IntegrityError(f"holder index: row {slot} has mask id {v} not interned")
-            if self._find(self._keys[slot]) != slot:
+            if self._find(key) != slot:
                 raise IntegrityError(f"holder index: row {slot} is not found from its key")
-            by_key[self._keys[slot]] = slot
-            while mask:
-                low = mask & -mask
-                mask ^= low
-                held[low.bit_length() - 1] = held.get(low.bit_length() - 1, 0) + 1
-            if self._has_parent[slot]:
-                pairs = self._masks[v].bit_count()
-                kids[self._parents[slot]] = kids.get(self._parents[slot], 0) + pairs
-        for v in range(1, len(self._masks)):
-            if self._refs[v] != refs.get(v, 0):
-                raise IntegrityError(f"holder index: mask id {v} has {self._refs[v]} refs, {refs.get(v, 0)} rows")
+            if key in self._pending_kids:
+                raise IntegrityError(f"holder index: row {slot} has a pending kid vector too")
+            parent = self._parents[slot] if self._has_parent[slot] else None
+            up = -1 if parent is None else self._find(parent)
+            parent_mask = holders.values[self._ids[up]] if up >= 0 else 0
+            for bit in _bits(mask):
+                held[bit] = held.get(bit, 0) + 1
+                if parent is not None:
+                    under = kids.setdefault(parent, {})
+                    under[bit] = under.get(bit, 0) + 1
+                    if not parent_mask >> bit & 1:
+                        orphans[bit] = orphans.get(bit, 0) + 1
+        for table, counted, name in ((holders, refs, "mask"), (vectors, kid_refs, "kid vector")):
+            for v in range(1, len(table.values)):
+                if table.refs[v] != counted.get(v, 0):
+                    raise IntegrityError(
+                        f"holder index: {name} id {v} has {table.refs[v]} refs, {counted.get(v, 0)} rows"
+                    )
         if {k: c for k, c in self._held.items() if c} != held:
             raise IntegrityError("holder index: per-worker counts are stale")
-        recorded = {self._keys[s]: self._kids[s] for s in live if self._kids[s]}
-        recorded.update(self._pending_kids)
+        recorded = {self._keys[s]: _counts(vectors.values[self._kids[s]]) for s in live if self._kids[s]}
+        recorded.update((key, _counts(planes)) for key, planes in self._pending_kids.items())
         if recorded != kids:
             raise IntegrityError("holder index: child counts are stale")
+        if self._orphans != orphans or self.suspect != sum(1 << bit for bit in orphans):
+            raise IntegrityError("holder index: orphan counts are stale")

@@ -47,7 +47,9 @@ def _read_fully(fd: int, views: list[memoryview]) -> None:
     ``preadv`` may return short (a signal, the kernel's per-call limits) and takes at most
     ``IOV_MAX`` buffers: it is called again on what is left, and a read of 0 bytes means the end.
     """
-    offset = 0
+    if _PREADV is not None and len(views) <= _IOV_MAX and _PREADV(fd, views, 0) == sum(map(len, views)):
+        return  # one call filled them all (the common case: no bookkeeping per buffer)
+    offset = 0  # short (a signal, the file's end) or too many buffers: again from the start, in steps
     pending = [view for view in views if len(view)]
     while pending:
         if _PREADV is not None:

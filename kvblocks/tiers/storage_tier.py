@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 import queue
 import threading
@@ -58,6 +59,7 @@ _Read = TypeVar("_Read")  # what a guarded read returns: a LoadOutcome, or a cou
 _MAX_QUEUED_PROBES = 256
 _FOREIGN = frozenset({"other format version", "other scheme, dtype, shape or spec"})
 _WRONG_KEY = "written under another key"
+_READONLY = operator.attrgetter("readonly")
 ENTRY_POOL_BYTES = 256 << 20
 """Idle entry buffers a tier keeps for :meth:`StorageTier.save_built` (the most a pool holds unused)."""
 SHARED_READ_BYTES = 1 << 20
@@ -618,12 +620,10 @@ class StorageTier:
                 views = [byte_view(part) for part in target]
             except (TypeError, ValueError) as e:
                 raise InvalidArgumentError(f"a read target must be contiguous buffers: {e}") from None
-            if any(view.readonly for view in views):
+            if any(map(_READONLY, views)):
                 raise InvalidArgumentError("a read target is read-only")
-            if sum(len(view) for view in views) != length:
-                raise InvalidArgumentError(
-                    f"a read target holds {sum(len(view) for view in views)} bytes, the format says {length}"
-                )
+            if (size := sum(map(len, views))) != length:
+                raise InvalidArgumentError(f"a read target holds {size} bytes, the format says {length}")
             out.append(views)
         return out
 

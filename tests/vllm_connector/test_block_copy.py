@@ -118,3 +118,53 @@ def test_the_device_path_moves_the_same_bytes_as_the_host_path() -> None:
     writer._host = None
     writer.write([0, 2, 4], host_path.read(ids))
     assert [expected_payload(target, b) for b in (0, 2, 4)] == [expected_payload(source, b) for b in ids]
+
+
+def arranged(how: str, n: int, dtype: torch.dtype, order: list[int]) -> dict[str, torch.Tensor]:
+    """``n`` layers of SHAPE laid out in memory ``how``; layer ``i`` named ``model.layers.{i}``."""
+    gen = torch.Generator().manual_seed(n)
+    nb, *block = SHAPE
+    if how == "separate":
+        views = [torch.randn(SHAPE, generator=gen).to(dtype) for _ in range(n)]
+    elif how == "interleaved":  # [num_blocks, layers, ...]: a layer's blocks are layers apart
+        buffer = torch.randn((nb, n, *block), generator=gen).to(dtype)
+        views = [buffer[:, i] for i in range(n)]
+    else:
+        spread = {"stacked": 1, "gapped": 2}.get(how, 1)
+        buffer = torch.randn((n * spread + 1, *SHAPE), generator=gen).to(dtype)
+        slots = [i * spread for i in range(n)]
+        if how == "uneven":  # one layer a slot further than the others
+            slots = [i + (i == n - 1) for i in range(n)]
+        if how == "permuted":  # names in another order than memory
+            slots = [order.index(i) for i in range(n)]
+        views = [buffer[slot] for slot in slots]
+    return {f"model.layers.{i}.self_attn.attn": views[i] for i in range(n)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    how=st.sampled_from(["stacked", "interleaved", "gapped", "uneven", "permuted", "separate"]),
+    n=st.integers(1, 5),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]),
+    ids=st.lists(st.integers(0, SHAPE[0] - 1), min_size=1, max_size=5),
+    data=st.data(),
+)
+def test_every_memory_layout_copies_the_defined_payload(how, n, dtype, ids, data) -> None:  # type: ignore[no-untyped-def]
+    """One copy over every layer (layers at a fixed distance in one buffer) or one a layer (otherwise): the
+    payload is the definition's, and the one-call path is taken exactly where the layout allows it."""
+    order = data.draw(st.permutations(range(n)))
+    tensors = arranged(how, n, dtype, order)
+    blocks = LayerBlocks(tensors)
+    assert [bytes(p) for p in blocks.read(ids)] == [expected_payload(tensors, b) for b in ids]
+    out = bytearray(blocks.bytes_per_block)
+    blocks.copy_out(ids[0], memoryview(out))
+    assert bytes(out) == expected_payload(tensors, ids[0])
+    in_order = how != "permuted" or order == sorted(order)
+    fixed_distance = (
+        how in ("stacked", "interleaved", "gapped")
+        or (how == "permuted" and in_order)
+        or (
+            how == "uneven" and n == 2  # two layers are always a fixed distance apart
+        )
+    )
+    assert (blocks._stacked is not None) == (n > 1 and fixed_distance)

@@ -42,7 +42,7 @@ def _stacked(tensors: Sequence[torch.Tensor], per: int) -> np.ndarray | None:
     fixed, positive distance between consecutive layers (vLLM allocates them so); else None.
 
     A block then moves in one numpy call over every layer (its copy runs without the GIL) instead of a
-    call per layer: 32 MiB of 1 MiB blocks (16 layers) in about 2.7 ms instead of 3.1 ms.
+    call per layer: a save's copy and checksum of 32 MiB in 1 MiB blocks (16 layers) in about 2.9 ms, not 3.25.
     """
     first = tensors[0]
     if len(tensors) < 2 or any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for t in tensors):
@@ -54,9 +54,8 @@ def _stacked(tensors: Sequence[torch.Tensor], per: int) -> np.ndarray | None:
     if any(t.stride(0) != first.stride(0) for t in tensors):
         return None
     block_stride = first.stride(0) * first.element_size()
-    raw = first.view(torch.uint8) if first.dtype != torch.uint8 else first
     size, strides = (len(tensors), first.shape[0], per), (step, block_stride, 1)
-    return torch.as_strided(raw, size, strides).numpy()
+    return torch.as_strided(first.view(torch.uint8), size, strides).numpy()
 
 
 class LayerBlocks:

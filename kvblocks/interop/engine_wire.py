@@ -416,6 +416,15 @@ _OUT = {
 }
 
 
+def _check_batch_args(timestamp: float, dp_rank: int | None) -> float:
+    """A batch's timestamp (as a float) and data-parallel rank, checked for every encoder of the batch."""
+    if isinstance(timestamp, bool) or not isinstance(timestamp, int | float) or not math.isfinite(timestamp):
+        raise InvalidArgumentError(f"cannot encode batch: timestamp must be a finite number, got {timestamp!r}")
+    if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank <= MAX_INT):
+        raise InvalidArgumentError(f"dp_rank must be None or an int in 0..{MAX_INT}, got {dp_rank!r}")
+    return float(timestamp)
+
+
 def encode_engine_events(
     events: Iterable[KVEvent],
     timestamp: float,
@@ -432,17 +441,13 @@ def encode_engine_events(
     converted together: a publisher thread holds the GIL while it encodes.
     """
     dialect = _check_dialect(dialect)
-    ts = timestamp
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
-        raise InvalidArgumentError(f"cannot encode batch: timestamp must be a finite number, got {ts!r}")
-    if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank <= MAX_INT):
-        raise InvalidArgumentError(f"dp_rank must be None or an int in 0..{MAX_INT}, got {dp_rank!r}")
+    ts = _check_batch_args(timestamp, dp_rank)
     wire = _wire()
     if snapshot:
         events = itertools.chain((AllBlocksCleared("device"),), events)
     try:
         body = _engine_events(events, dialect, int_hashes, wire)
-        payload: bytes = wire.encoder.encode(_OUT[dialect](wire)[3](float(ts), body, dp_rank))
+        payload: bytes = wire.encoder.encode(_OUT[dialect](wire)[3](ts, body, dp_rank))
     except (TypeError, OverflowError) as error:  # an int field beyond 64 bits
         raise InvalidArgumentError(f"cannot encode batch: {error}") from None
     return payload

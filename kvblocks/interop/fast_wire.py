@@ -24,7 +24,6 @@ every kind of entry, both dialects, both hash forms). Bad input raises what the 
 from __future__ import annotations
 
 import itertools
-import math
 import struct
 import sys
 from array import array
@@ -47,7 +46,7 @@ from kvblocks.event_codec import (
 )
 from kvblocks.hashing import BlockHash
 from kvblocks.interop import engine_wire
-from kvblocks.interop.engine_wire import Dialect, _check_dialect, _wire_hashes
+from kvblocks.interop.engine_wire import Dialect, _check_batch_args, _check_dialect, _wire_hashes
 from kvblocks.strict_json import MAX_INT, brief
 
 __all__ = ["encode_pending_events"]
@@ -546,13 +545,9 @@ def encode_pending_events(
     them): ``encode_engine_events(build_pending(entries), timestamp, ...)``'s bytes, written without building
     the events a cache recorded (see the module docstring). Raises what that raises."""
     dialect = _check_dialect(dialect)
-    ts = timestamp
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
-        raise InvalidArgumentError(f"cannot encode batch: timestamp must be a finite number, got {ts!r}")
-    if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank <= MAX_INT):
-        raise InvalidArgumentError(f"dp_rank must be None or an int in 0..{MAX_INT}, got {dp_rank!r}")
+    ts = _check_batch_args(timestamp, dp_rank)
     payload = _Payload(dialect, bool(int_hashes))
     payload.add(entries)
     count, body = payload.body()
-    head = b"\x93\xcb" + struct.pack(">d", float(ts)) + _array_header(count)
+    head = b"\x93\xcb" + struct.pack(">d", ts) + _array_header(count)
     return b"".join((head, *body, _opt_int(dp_rank)))

@@ -289,8 +289,9 @@ class HolderIndex:
 
     # ------------------------------------------------------------------ kid vectors and orphans
 
-    def _kid_moved(self, parent: int, b: int, up: bool) -> None:
-        """One (child, worker ``b``) pair more (``up``) or fewer under ``parent`` (its row, or pending)."""
+    def _kid_moved(self, parent: int, b: int, up: bool) -> int:
+        """One (child, worker ``b``) pair more (``up``) or fewer under ``parent`` (its row, or pending);
+        returns the parent's slot (-1: no row)."""
         slot = self._find(parent)
         if slot >= 0:
             vectors = self._kid_vectors
@@ -298,12 +299,13 @@ class HolderIndex:
             new = vectors.intern((_bump if up else _unbump)(vectors.values[old], b))
             vectors.move(old, new)
             self._kids[slot] = new
-            return
+            return slot
         planes = (_bump if up else _unbump)(self._pending_kids.get(parent, ()), b)
         if planes:
             self._pending_kids[parent] = planes
         else:
             self._pending_kids.pop(parent, None)
+        return -1
 
     def _orphaned(self, bit: int, delta: int) -> None:
         """Worker ``bit`` holds ``delta`` more blocks without their recorded parent; suspect while any."""
@@ -405,8 +407,7 @@ class HolderIndex:
                     if not parent_held:
                         orphans += 1
                 else:  # not the chain's previous block: the recorded parent decides
-                    self._kid_moved(recorded, b, True)
-                    found = self._find(recorded)
+                    found = self._kid_moved(recorded, b, True)
                     if found < 0 or not masks[ids[found]] & b:
                         orphans += 1
             added += 1
@@ -506,31 +507,10 @@ class HolderIndex:
 
     def clear(self, bit: int) -> int:
         """Worker ``bit`` holds nothing any more. Returns how many blocks it held."""
-        b = 1 << bit
-        slots = self._slots_of(b)
-        holders, vectors, ids, kids = self._holders, self._kid_vectors, self._ids, self._kids
-        for slot in slots.tolist():
-            if self._has_parent[slot]:
-                self._kid_moved(self._parents[slot], b, False)
-            old = ids[slot]
-            mask = holders.values[old] & ~b
-            new = holders.intern(mask) if mask else 0
-            holders.move(old, new)
-            if new:
-                ids[slot] = new
-                continue
-            ids[slot] = _TOMB
-            self._live -= 1
-            kid = kids[slot]
-            if kid:
-                self._pending_kids[self._keys[slot]] = vectors.values[kid]
-                vectors.move(kid, 0)
-                kids[slot] = 0
-        holders.sweep()
-        vectors.sweep()
+        keys = self._keys
+        removed = self.remove_keys(bit, [keys[slot] for slot in self._slots_of(1 << bit).tolist()])
         self._held.pop(bit, None)
-        self._orphaned(bit, -self._orphans.get(bit, 0))
-        return len(slots)
+        return removed
 
     def _slots_of(self, b: int) -> np.ndarray:
         """The slots of the rows whose holders include ``b``."""

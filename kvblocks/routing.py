@@ -35,9 +35,9 @@ worker's run ends where its bit first drops out::
 
 Worker caches are prefix-closed, so the mask only loses bits along the prompt: the walk finds where it
 does by galloping and bisection, O(log n) probes per distinct run length rather than one per block (a
-fully cached 2,048-block prompt costs a few dozen probes). Workers whose events broke the closure (out
-of order, or a block removed under a child) are scanned block by block until their closure checks out
-again, so the overlaps stay exact. Hashes must be chained (each fixes every hash before it), as every
+fully cached 2,048-block prompt costs a few dozen probes). A worker whose events broke its closure (a
+block held without its parent: stored out of order, or its parent removed under it) is scanned block by
+block while any such block remains (the index counts them exactly), so the overlaps stay exact. Hashes must be chained (each fixes every hash before it), as every
 hash scheme makes them; the walk checks each probed block's parent against the prompt's block before it.
 """
 

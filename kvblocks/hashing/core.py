@@ -207,10 +207,8 @@ def _plainly_valid(hashes: list[BlockHash]) -> bool:
     per-item check costs more than routing it). False: :func:`_check_each` decides (and names the position)."""
     kinds = set(map(type, hashes))
     if kinds == {int}:
-        try:
-            array(
-                "Q", cast(list[int], hashes)
-            )  # refuses negatives (and, harmlessly, wide ints: the per-item path takes them)
+        try:  # refuses negatives (and, harmlessly, wide ints: the per-item path takes them)
+            array("Q", cast(list[int], hashes))
         except OverflowError:
             return False
         return True

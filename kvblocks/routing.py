@@ -37,8 +37,9 @@ Worker caches are prefix-closed, so the mask only loses bits along the prompt: t
 does by galloping and bisection, O(log n) probes per distinct run length rather than one per block (a
 fully cached 2,048-block prompt costs a few dozen probes). A worker whose events broke its closure (a
 block held without its parent: stored out of order, or its parent removed under it) is scanned block by
-block while any such block remains (the index counts them exactly), so the overlaps stay exact. Hashes must be chained (each fixes every hash before it), as every
-hash scheme makes them; the walk checks each probed block's parent against the prompt's block before it.
+block while any such block remains (the index counts them exactly), so the overlaps stay exact. Hashes
+must be chained (each fixes every hash before it), as every hash scheme makes them; the walk checks each
+probed block's parent against the prompt's block before it.
 """
 
 from __future__ import annotations

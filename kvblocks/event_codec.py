@@ -147,9 +147,9 @@ and a cache emits one per batch of blocks it stores or evicts)."""
 
 
 PendingEvent = tuple[Any, ...]
-"""An event a sink holds: ``(seq, timestamp, factory, *args)``, the event being ``factory(*args)`` -- built
-only when somebody reads it (:meth:`kvblocks.events.EventSink.record`); trailing :data:`NO_ARG` are not
-arguments -- or ``(seq, timestamp, None, event)`` for an event built already."""
+"""An event a sink holds: ``(seq, timestamp, factory, *args)`` (five argument places), the event being
+``factory(*args)`` -- built only when somebody reads it (:meth:`kvblocks.events.EventSink.record`); trailing
+:data:`NO_ARG` are not arguments -- or ``(seq, timestamp, None, event)`` for an event built already."""
 
 NO_ARG: Any = type("NoArg", (), {"__repr__": lambda self: "NO_ARG", "__slots__": ()})()
 """The filler of a :data:`PendingEvent`'s unused argument places."""
@@ -189,6 +189,32 @@ def stored_event(
     return BlockStored(
         tuple(block_hashes), parent_hash, tier, token_ids, group, group_kind, block_size, None, lora_name
     )
+
+
+def stored_range_event(
+    tier: str,
+    group: int | None,
+    group_kind: str | None,
+    block_size: int | None,
+    chain: Sequence[BlockHash],
+    start: int,
+    stop: int,
+    tokens: Sequence[int] | None,
+    lora_name: str | None,
+) -> BlockStored:
+    """The ``BlockStored`` of blocks ``start..stop-1`` of one sequence, read from the sequence's own ``chain``
+    of hashes and ``tokens`` when the event is built, not when it is recorded: what a cache records for a
+    commit whose hashes and tokens only grow (``RadixTree.insert(..., stable=True)``), so that its hot path
+    copies nothing and the copies are made on the reader's thread::
+
+        chain   h0 h1 h2 h3 h4          start 2, stop 4, block size bs
+        event   hashes (h2, h3), parent h1, token ids tokens[2*bs : 4*bs]
+
+    Only sound while positions below ``stop`` of both never change: a sequence's
+    :class:`~kvblocks.hashing.HashedTokens` appends, and replaces rather than cuts when it truncates."""
+    parent = chain[start - 1] if start else None
+    token_ids = None if tokens is None or block_size is None else tokens[start * block_size : stop * block_size]
+    return stored_event(tier, group, group_kind, block_size, chain[start:stop], parent, token_ids, lora_name)
 
 
 def removed_event(

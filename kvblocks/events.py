@@ -167,16 +167,23 @@ class EventSink:
         return record
 
     def record(
-        self, factory: Callable[..., KVEvent], a: object, b: object = NO_ARG, c: object = NO_ARG, d: object = NO_ARG
+        self,
+        factory: Callable[..., KVEvent],
+        a: object,
+        b: object = NO_ARG,
+        c: object = NO_ARG,
+        d: object = NO_ARG,
+        e: object = NO_ARG,
     ) -> None:
-        """Emit ``factory(a, b, c, d)``, built only when read (see the class docstring); arguments left out
-        are not passed. They must not change later. At most four, held in the entry itself: one object
-        per event for the garbage collector to count, where ``*args`` would make two."""
+        """Emit ``factory(a, b, c, d, e)``, built only when read (see the class docstring); arguments left
+        out are not passed. What the event is built from must not change later. At most five, held in the
+        entry itself: one object per event for the garbage collector to count, where ``*args`` would make
+        two."""
         if self._subscribers:
-            self.emit(factory(*pending_args((0, 0.0, factory, a, b, c, d))))
+            self.emit(factory(*pending_args((0, 0.0, factory, a, b, c, d, e))))
             return
         seq = self._next_seq
-        self._buffer.append((seq, self._clock(), factory, a, b, c, d))
+        self._buffer.append((seq, self._clock(), factory, a, b, c, d, e))
         self._next_seq = seq + 1
 
     def drain(self) -> list[EventRecord]:

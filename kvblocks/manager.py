@@ -638,9 +638,12 @@ class KVCacheManager:
         if full > start and self._caching:
             tree = self._tree
             content = s.content
-            # the tree's events name the blocks' tokens (package-private: they are sliced, never copied whole)
+            # The tree's events name the blocks' tokens (package-private). stable: a sequence's hashes and
+            # tokens only grow (HashedTokens.truncate replaces them), so its events read them when built.
             tokens = content._tokens if tree._events is not None and isinstance(content, HashedTokens) else None
-            existing = tree.insert(content.hashes, s.table, start, full, tokens=tokens, lora_name=s.lora_name)  # type: ignore[arg-type]
+            table: list[int] = s.table  # type: ignore[assignment]  # admitted: checked by the caller
+            lora = s.lora_name
+            existing = tree.insert(content.hashes, table, start, full, tokens=tokens, lora_name=lora, stable=True)
             if existing:
                 self._pin_duplicates(s, start, existing)
         s.num_committed = n

@@ -38,7 +38,7 @@ from kvblocks.errors import (
     InvalidBlockIdError,
     SequenceStateError,
 )
-from kvblocks.event_codec import EVENT_GROUP_KINDS, is_group_tag, removed_event, stored_event
+from kvblocks.event_codec import EVENT_GROUP_KINDS, is_group_tag, removed_event, stored_event, stored_range_event
 from kvblocks.events import AllBlocksCleared, BlockStored, EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
@@ -82,6 +82,7 @@ class PrefixTree:
         "_removed",
         "_root",
         "_stored",
+        "_stored_range",
         "block_size",
         "group",
         "group_kind",
@@ -126,6 +127,7 @@ class PrefixTree:
         self._events = events
         # what its events are built with, off the hot path (EventSink.record)
         self._stored = partial(stored_event, tier, group, group_kind, block_size)
+        self._stored_range = partial(stored_range_event, tier, group, group_kind, block_size)
         self._removed = partial(removed_event, tier, group, group_kind)
         self.num_evicted = 0
         """Blocks evicted since construction (a counter, never reset)."""
@@ -236,6 +238,7 @@ class PrefixTree:
         *,
         tokens: Sequence[int] | None = None,
         lora_name: str | None = None,
+        stable: bool = False,
     ) -> list[int]:
         """Make ``blocks[start:stop]`` findable under ``hashes[start:stop]``; return what was already cached.
 
@@ -246,7 +249,10 @@ class PrefixTree:
         tree keeps the first. The new blocks must be in use (their KV was just written)
         and the parent ``hashes[start-1]`` must be cached. Emits one ``BlockStored``, carrying
         the new blocks' token ids when ``tokens`` (the sequence's tokens, from its first) and
-        the tree's ``block_size`` are known, and ``lora_name``. On any error nothing changes.
+        the tree's ``block_size`` are known, and ``lora_name``. ``stable``: ``hashes`` and ``tokens``
+        only grow (positions below ``stop`` never change), so the event reads its parts from them when it
+        is built (:func:`~kvblocks.event_codec.stored_range_event`) instead of copying them now. On any
+        error nothing changes.
         """
         stop = len(hashes) if stop is None else stop
         if not 0 <= start <= stop <= min(len(hashes), len(blocks)):
@@ -297,6 +303,9 @@ class PrefixTree:
             self._unlink(hashes, blocks, first_new, i)
             raise self._insert_problem(hashes, blocks, first_new, max(i, first_new)) from None
         if self._events is not None:
+            if stable:
+                self._events.record(self._stored_range, hashes, first_new, stop, tokens, lora_name)
+                return existing
             parent_hash = hashes[first_new - 1] if first_new > 0 else None
             size = self.block_size
             token_ids = None if tokens is None or size is None else tokens[first_new * size : stop * size]

@@ -127,3 +127,24 @@ def test_a_tree_s_event_keeps_token_ids_of_any_array_width() -> None:
         tree.insert([b"h0", b"h1"], blocks, tokens=array(typecode, [7, 300, 9, 65535]))
         (record,) = sink.drain()
         assert list(record.event.token_ids) == [7, 300, 9, 65535], typecode
+
+
+def test_a_commit_s_event_built_late_names_what_was_committed_even_after_the_sequence_took_tokens_back() -> None:
+    """The device tree records a commit as a range of the sequence's own hashes and tokens, read when the
+    event is built; taking tokens back replaces those lists instead of cutting them, so a later append
+    never shows through an event recorded before it."""
+    from kvblocks import KVCacheManager
+    from kvblocks.hashing import HashedTokens, block_hashes
+
+    sink = EventSink()
+    m = KVCacheManager(num_blocks=8, block_size=2, event_sink=sink)
+    m.add_sequence("a", [1, 2, 3, 4, 5])
+    m.allocate("a", 5)
+    m.commit("a", 4)  # blocks [1, 2] and [3, 4]: one event, not built yet
+    content = m._seqs["a"].content  # package-private: the sequence's own lists
+    assert isinstance(content, HashedTokens)
+    content.truncate(2)  # below the commit: only a caller of HashedTokens itself can do this
+    content.extend([7, 7, 8])
+    assert content.token_ids == (1, 2, 7, 7, 8) and content.hashes == block_hashes([1, 2, 7, 7], 2)
+    (record,) = sink.drain()
+    assert record.event == BlockStored(tuple(block_hashes([1, 2, 3, 4], 2)), None, "device", (1, 2, 3, 4), block_size=2)

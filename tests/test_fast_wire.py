@@ -4,7 +4,8 @@ of the reference path, for whatever a sink holds.
 The oracle is the one of ``test_engine_wire_encoding``: the engine's structs, built from the field mapping
 restated there, encoded by msgspec in one call. Entries are recorded into a real :class:`EventSink` the way
 kvblocks' caches record them (``partial(stored_event, ...)`` with a list of hashes, a parent, an
-``array('I')``'s bytes and a LoRA name; ``partial(removed_event, ...)``), beside built events (``emit``) and
+``array('I')``'s bytes and a LoRA name; ``partial(stored_range_event, ...)`` with a sequence's hashes, a block
+range and its token array; ``partial(removed_event, ...)``), beside built events (``emit``) and
 entries of other factories. Token ids mostly in one msgpack size class (a vocabulary below 65536) take the
 fast path's uint16 layout; others its general one; hashes cover digests whose int form is below ``2**32``.
 """
@@ -30,6 +31,7 @@ from kvblocks.event_codec import (
     build_pending,
     removed_event,
     stored_event,
+    stored_range_event,
 )
 from kvblocks.events import EventSink
 from kvblocks.interop.engine_wire import encode_engine_events
@@ -87,6 +89,19 @@ def cache_stored(draw: st.DrawFn) -> tuple[Any, ...]:
 
 
 @st.composite
+def cache_stored_range(draw: st.DrawFn) -> tuple[Any, ...]:
+    """A commit of a sequence whose hashes and tokens only grow: the range is read when encoded."""
+    tier, (group, kind), size = draw(tags_st)
+    factory = partial(stored_range_event, tier, group, kind, size)
+    chain = draw(cache_hashes)
+    stop = draw(st.integers(0, len(chain)))
+    start = draw(st.integers(0, stop))
+    tokens = draw(st.none() | ids_st.map(lambda t: array("I", t)))  # as long as the chain's tokens or not
+    lora = draw(text_st | st.text(min_size=20, max_size=300))
+    return (factory, chain, start, stop, tokens, lora)
+
+
+@st.composite
 def cache_removed(draw: st.DrawFn) -> tuple[Any, ...]:
     tier, (group, kind), _ = draw(tags_st)
     return (partial(removed_event, tier, group, kind), draw(cache_hashes))
@@ -110,7 +125,9 @@ other_factory = st.one_of(
     tier_st.map(lambda t: (_Unhashable(), t)),
     st.tuples(st.lists(digest16, max_size=3).map(tuple), tier_st).map(lambda a: (BlockRemoved, *a)),
 )
-recorded = st.lists(st.one_of(cache_stored(), cache_stored(), cache_removed(), built, other_factory), max_size=24)
+recorded = st.lists(
+    st.one_of(cache_stored(), cache_stored(), cache_stored_range(), cache_removed(), built, other_factory), max_size=24
+)
 
 
 def record(items: list[tuple[Any, ...]]) -> list[PendingEvent]:

@@ -593,11 +593,14 @@ class HashedTokens:
         return self._hash_new_blocks()
 
     def truncate(self, num_tokens: int) -> None:
-        """Forget the tokens from ``num_tokens`` on (an append the caller took back), and their blocks' hashes."""
+        """Forget the tokens from ``num_tokens`` on (an append the caller took back), and their blocks' hashes.
+
+        Both are replaced by shorter copies, never cut in place: apart from that, they only grow, so an
+        event recorded earlier may still read its part of them (``RadixTree.insert(..., stable=True)``)."""
         if not 0 <= num_tokens <= self.num_tokens:
             raise InvalidArgumentError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}")
-        del self._tokens[num_tokens:]
-        del self.hashes[num_tokens // self._hasher.block_size :]
+        self._tokens = self._tokens[:num_tokens]
+        self.hashes = self.hashes[: num_tokens // self._hasher.block_size]
         self.num_tokens = num_tokens
 
     def _hash_new_blocks(self) -> int:

@@ -8,7 +8,8 @@ msgspec write the structs: ~5 us per event, ~14 ms per lifecycle of the publishi
 writes msgpack itself, in less than half that:
 
 * a cache's entries (``partial(stored_event, tier, group, kind, block_size)`` with hashes, parent, token id
-  bytes and LoRA name; ``partial(removed_event, ...)``) are read without building an event;
+  bytes and LoRA name; ``partial(stored_range_event, ...)`` with a sequence's hashes, a block range, its
+  token array and LoRA name; ``partial(removed_event, ...)``) are read without building an event;
 * the bytes between the variable parts of an event are constant per (tier, group, kind, block size, LoRA id):
   written once and kept (:func:`_stored_template`);
 * every hash and every token id of the batch is written in a few whole-batch C passes (strided byte copies:
@@ -43,6 +44,7 @@ from kvblocks.event_codec import (
     pending_args,
     removed_event,
     stored_event,
+    stored_range_event,
 )
 from kvblocks.hashing import BlockHash
 from kvblocks.interop import engine_wire
@@ -297,13 +299,13 @@ def _removed_template(dialect: Dialect, tier: str, group: int | None) -> tuple[b
 
 # ---------------------------------------------------------------------- the batch
 
-_STORED, _REMOVED = 1, 2
+_STORED, _REMOVED, _STORED_RANGE = 1, 2, 3
 _PARENT_NIL = _PARENT + _NIL
 _SEQUENCES = (list, tuple)
 
-# What the factory of an entry is, per dialect: (_STORED, skip, *stored template), (_REMOVED, skip, *removed
-# template), or False (entries the reference writes). Keyed by the factory object itself: a cache's partial
-# is made once and its tags never change.
+# What the factory of an entry is, per dialect: (_STORED, skip, *stored template), (_STORED_RANGE, skip,
+# *stored template, block size), (_REMOVED, skip, *removed template), or False (entries the reference
+# writes). Keyed by the factory object itself: a cache's partial is made once and its tags never change.
 _specs: dict[str, dict[object, Any]] = {"vllm": {}, "sglang": {}}
 
 
@@ -320,10 +322,14 @@ def _spec_of(dialect: Dialect, factory: object) -> Any:
     spec: Any = False
     if type(factory) is partial and not factory.keywords:
         tags = factory.args
-        if factory.func is stored_event and len(tags) == 4:
+        if factory.func in (stored_event, stored_range_event) and len(tags) == 4:
             template = _stored_template(dialect, *tags, None)
             if template is not None:
-                spec = (_STORED, dialect == "sglang" and not _is_prefix(tags[1], tags[2]), *template)
+                skip = dialect == "sglang" and not _is_prefix(tags[1], tags[2])
+                if factory.func is stored_event:
+                    spec = (_STORED, skip, *template)
+                else:
+                    spec = (_STORED_RANGE, skip, *template, tags[3])
         elif factory.func is removed_event and len(tags) == 3:
             removed = _removed_template(dialect, *tags[:2])
             if removed is not None:
@@ -418,12 +424,15 @@ class _Payload:
                 spec = False
             if spec is None:
                 spec = False if factory is None else _spec_of(self.dialect, factory)
-            if not spec or len(entry) != 7:
+            if not spec or len(entry) != 8:
                 self.other(entry)
                 continue
             block_hashes = entry[3]
+            if spec[0] == _STORED_RANGE:
+                self.stored_range(spec, entry)
+                continue
             if spec[0] == _REMOVED:
-                if type(block_hashes) not in _SEQUENCES or entry[4] is not NO_ARG:
+                if type(block_hashes) not in _SEQUENCES or entry[4] is not NO_ARG or entry[5] is not NO_ARG:
                     self.other(entry)
                 elif not spec[1]:
                     n = len(block_hashes)
@@ -438,7 +447,8 @@ class _Payload:
                 continue
             parent, ids, lora = entry[4], entry[5], entry[6]
             if (
-                type(block_hashes) not in _SEQUENCES
+                entry[7] is not NO_ARG
+                or type(block_hashes) not in _SEQUENCES
                 or not (lora is None or type(lora) is str)
                 or not (ids is None or (type(ids) is bytes and not len(ids) & 3))
             ):
@@ -446,10 +456,28 @@ class _Payload:
             elif not spec[1]:
                 self.stored(spec, block_hashes, parent, ids or b"", lora)
 
+    def stored_range(self, spec: Any, entry: PendingEvent) -> None:
+        """A ``stored_range_event`` entry: its parts sliced from the sequence's hashes and tokens here."""
+        chain, start, stop, tokens, lora = entry[3:]
+        if not (
+            type(chain) in _SEQUENCES
+            and type(start) is int
+            and type(stop) is int
+            and 0 <= start <= stop <= len(chain)
+            and (tokens is None or (type(tokens) is array and tokens.typecode == "I"))
+            and (lora is None or type(lora) is str)
+        ):
+            self.other(entry)
+        elif not spec[1]:
+            size = spec[7]
+            parent = chain[start - 1] if start else None
+            ids = b"" if tokens is None or size is None else tokens[start * size : stop * size].tobytes()
+            self.stored(spec, chain[start:stop], parent, ids, lora)
+
     def stored(self, spec: Any, block_hashes: Sequence[BlockHash], parent: object, ids: bytes, lora: object) -> None:
         out = self.out
         n, nt = len(block_hashes), len(ids) >> 2
-        _, _, head, head_lora, middle, tail, middle_nil_tail = spec
+        head, head_lora, middle, tail, middle_nil_tail = spec[2:7]
         out.append((head if lora is None else head_lora) + _header(n))  # SGLang's map counts a LoRA name
         self.hash_holes.append(len(out))
         out.append(None)

@@ -16,6 +16,7 @@ from kvblocks.tiers import (
     MemoryStorage,
     StorageBackend,
     block_key,
+    file_storage,
     namespace_tag,
     usable_prefix,
 )
@@ -215,14 +216,14 @@ def test_permission_denied_on_read_is_a_counted_miss(tmp_path, monkeypatch) -> N
     storage = FileStorage(tmp_path)
     (k,) = keys("0a")
     storage.put([(k, b"v")])
-    real_read = type(tmp_path).read_bytes
+    real_open = open
 
-    def read_bytes(path):
-        if path.name == k:
+    def denying_open(path, *args, **kwargs):  # root reads any file: chmod cannot make one unreadable here
+        if os.path.basename(path) == k:
             raise PermissionError(errno.EACCES, "Permission denied")
-        return real_read(path)
+        return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(type(tmp_path), "read_bytes", read_bytes)
+    monkeypatch.setattr(file_storage, "open", denying_open, raising=False)  # the module's own name for it
     assert storage.get([k]) == [None]
     assert storage.stats.get_errors == 1 and storage.stats.misses == 1
 

@@ -209,8 +209,8 @@ class StorageTier:
             with self._writer_lock:
                 if self._writer is None:
                     made = AsyncWriter(self.backend, max_pending=self._max_pending_writes, on_stored=self._on_stored)
-                    if self._closed:
-                        made.close(0.0)
+                    if self._closed:  # nothing queued: its thread stops at once, and is joined
+                        made.close(None)
                     self._writer = made
                 writer = self._writer
         return writer

@@ -204,7 +204,7 @@ def stored_range_event(
 ) -> BlockStored:
     """The ``BlockStored`` of blocks ``start..stop-1`` of one sequence, read from the sequence's own ``chain``
     of hashes and ``tokens`` when the event is built, not when it is recorded: what a cache records for a
-    commit whose hashes and tokens only grow (``RadixTree.insert(..., stable=True)``), so that its hot path
+    commit whose hashes and tokens only grow (``PrefixTree.insert(..., stable=True)``), so that its hot path
     copies nothing and the copies are made on the reader's thread::
 
         chain   h0 h1 h2 h3 h4          start 2, stop 4, block size bs

@@ -596,7 +596,7 @@ class HashedTokens:
         """Forget the tokens from ``num_tokens`` on (an append the caller took back), and their blocks' hashes.
 
         Both are replaced by shorter copies, never cut in place: apart from that, they only grow, so an
-        event recorded earlier may still read its part of them (``RadixTree.insert(..., stable=True)``)."""
+        event recorded earlier may still read its part of them (``PrefixTree.insert(..., stable=True)``)."""
         if not 0 <= num_tokens <= self.num_tokens:
             raise InvalidArgumentError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}")
         self._tokens = self._tokens[:num_tokens]

@@ -212,9 +212,19 @@ def stored_range_event(
 
     Only sound while positions below ``stop`` of both never change: a sequence's
     :class:`~kvblocks.hashing.HashedTokens` appends, and replaces rather than cuts when it truncates."""
+    return stored_event(
+        tier, group, group_kind, block_size, *range_parts(chain, start, stop, tokens, block_size), lora_name
+    )
+
+
+def range_parts(
+    chain: Sequence[BlockHash], start: int, stop: int, tokens: Sequence[int] | None, block_size: int | None
+) -> tuple[Sequence[BlockHash], BlockHash | None, Sequence[int] | None]:
+    """The hashes, parent hash and token ids (None: unknown) of blocks ``start..stop-1`` of a sequence whose
+    chain of hashes and tokens are given: what :func:`stored_range_event` builds its event from."""
     parent = chain[start - 1] if start else None
     token_ids = None if tokens is None or block_size is None else tokens[start * block_size : stop * block_size]
-    return stored_event(tier, group, group_kind, block_size, chain[start:stop], parent, token_ids, lora_name)
+    return chain[start:stop], parent, token_ids
 
 
 def removed_event(

@@ -42,6 +42,7 @@ from kvblocks.event_codec import (
     are_token_ids,
     is_prefix_event,
     pending_args,
+    range_parts,
     removed_event,
     stored_event,
     stored_range_event,
@@ -469,10 +470,8 @@ class _Payload:
         ):
             self.other(entry)
         elif not spec[1]:
-            size = spec[7]
-            parent = chain[start - 1] if start else None
-            ids = b"" if tokens is None or size is None else tokens[start * size : stop * size].tobytes()
-            self.stored(spec, chain[start:stop], parent, ids, lora)
+            hashes, parent, ids = range_parts(chain, start, stop, tokens, spec[7])
+            self.stored(spec, hashes, parent, b"" if ids is None else ids.tobytes(), lora)  # type: ignore[attr-defined]
 
     def stored(self, spec: Any, block_hashes: Sequence[BlockHash], parent: object, ids: bytes, lora: object) -> None:
         out = self.out

@@ -66,7 +66,7 @@ def test_file_get(benchmark, tmp_path, size: str, subject: str) -> None:
         keys = [key for key, _ in entries]
         values = benchmark(storage.get, keys)
     else:
-        paths = [storage._path(key) for key, _ in entries]
+        paths = [storage._file(key) for key, _ in entries]
 
         def read() -> list[bytes]:
             out = []

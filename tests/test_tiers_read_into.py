@@ -95,7 +95,7 @@ def test_fuzzed_files_get_the_reason_decode_gives(tmp_path: Path, data: st.DataO
     storage = FileStorage(tmp_path)
     entry = FMT.encode(data.draw(st.binary(min_size=256, max_size=256)), KEY)
     raw = damaged(entry, data)
-    path = storage._path(KEY)
+    path = Path(storage._file(KEY))
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(raw)
     reason, got = read_into_reason(storage, KEY, split_sizes(data.draw(st.lists(st.sampled_from(SPLITS)))))
@@ -108,7 +108,7 @@ def test_fuzzed_files_get_the_reason_decode_gives(tmp_path: Path, data: st.DataO
 def test_an_entry_under_another_key_and_a_missing_one(tmp_path: Path) -> None:
     storage = FileStorage(tmp_path)
     entry = FMT.encode(bytes(256), OTHER_KEY)
-    path = storage._path(KEY)
+    path = Path(storage._file(KEY))
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(entry)
     assert read_into_reason(storage, KEY, [256])[0] == "written under another key"
@@ -478,8 +478,8 @@ def test_a_tier_that_never_saves_runs_no_writer_thread(tmp_path: Path) -> None:
 def test_a_store_opened_without_indexing_still_serves_what_is_on_disk(tmp_path: Path) -> None:
     writer = FileStorage(tmp_path)
     writer.put([(KEY, FMT.encode(bytes(256), KEY))])
-    (tmp_path / writer._path(KEY).parent.name / ".tmp-left-by-a-dead-writer").write_bytes(b"x")
+    (tmp_path / writer._shard(KEY) / ".tmp-left-by-a-dead-writer").write_bytes(b"x")
     lookup = FileStorage(tmp_path, index_existing=False)
     assert len(lookup) == 0 and lookup.exists([KEY, OTHER_KEY]) == [True, False] and lookup.contains([KEY]) == 1
-    assert (tmp_path / writer._path(KEY).parent.name / ".tmp-left-by-a-dead-writer").exists()  # not its to clean
+    assert (tmp_path / writer._shard(KEY) / ".tmp-left-by-a-dead-writer").exists()  # not its to clean
     assert FileStorage(tmp_path).exists([KEY]) == [True]

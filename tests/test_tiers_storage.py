@@ -243,7 +243,7 @@ def test_a_restarted_storage_knows_its_files_and_cleans_temporaries(tmp_path) ->
     first = FileStorage(tmp_path)
     a, b = keys("0a", "0b")
     first.put([(a, b"1" * 10)])
-    os.utime(first._path(a), ns=(1, 1))  # older
+    os.utime(first._file(a), ns=(1, 1))  # older
     first.put([(b, b"2" * 10)])
     (tmp_path / "00").mkdir(exist_ok=True)
     (tmp_path / "00" / ".tmp-dead-1-1").write_bytes(b"half")

@@ -119,9 +119,6 @@ class FileStorage:
         key costs several microseconds: more than the ``stat`` of :meth:`exists`)."""
         return f"{self._root}/{self._shard(key)}/{key}"
 
-    def _path(self, key: str) -> Path:
-        return Path(self._file(key))
-
     def _load_index(self) -> None:
         found = []
         for shard in self.root.iterdir() if self.root.is_dir() else ():

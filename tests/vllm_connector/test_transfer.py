@@ -125,7 +125,7 @@ def test_a_damaged_entry_is_a_counted_miss_and_the_rest_of_the_run_a_load_error(
         assert tier.flush(10.0)
         bad = data.draw(st.integers(0, 3))
         (key,) = tier.keys_of(HASHES[bad])
-        path = tier.backend._path(key)  # type: ignore[attr-defined]
+        path = Path(tier.backend._file(key))  # type: ignore[attr-defined]
         raw = path.read_bytes()
         broken = damage(raw, data)
         path.write_bytes(broken)
@@ -146,6 +146,6 @@ def test_a_missing_entry_in_the_middle(tier: StorageTier) -> None:
     save_run(tier, LayerBlocks(kv(8)), HASHES, [0, 1, 2, 3])
     assert tier.flush(10.0)
     (key,) = tier.keys_of(HASHES[1])
-    os.unlink(tier.backend._path(key))  # type: ignore[attr-defined]
+    os.unlink(tier.backend._file(key))  # type: ignore[attr-defined]
     assert load_run(tier, LayerBlocks(kv(9)), HASHES, [4, 5, 6, 7]) == 1
     assert tier.stats.loads_missing == 1 and tier.stats.loads_beyond_a_miss == 2

@@ -9,16 +9,18 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvblocks.errors import ConfigError, InvalidArgumentError, SequenceStateError
 from kvblocks.hashing import Namespace
-from kvblocks.tiers import FileStorage, MemoryStorage
+from kvblocks.tiers import FileStorage, MemoryStorage, file_storage
 from kvblocks.tiers.config import TierConfig
-from kvblocks.tiers.entry import HEADER, EntryFormat, block_key
+from kvblocks.tiers.entry import HEADER, EntryFormat, StreamedChecksum, block_key
 from kvblocks.tiers.storage_tier import StorageTier
 from kvblocks.tiers.writer import AsyncWriter, EntryPool
 
@@ -38,11 +40,20 @@ def split_sizes(cuts: Sequence[int]) -> list[int]:
     return [b - a for a, b in itertools.pairwise(points)]
 
 
-def read_into_reason(storage: FileStorage, key: str, sizes: Sequence[int]) -> tuple[str, bytes]:
+def read_into_reason(
+    storage: FileStorage, key: str, sizes: Sequence[int], run_bytes: int | None = None
+) -> tuple[str, bytes]:
+    """The check of ``key`` read into buffers of ``sizes``: the checksum taken after the read (``run_bytes``
+    None), or streamed as the read lands in runs of ``run_bytes`` (what ``StorageTier.read_into`` does)."""
     header = bytearray(HEADER.size)
     parts = parts_of(sizes)
-    length = storage.get_into(key, [header, *parts])
-    return FMT.check_read(header, length, parts, key), b"".join(parts)
+    if run_bytes is None:
+        return FMT.check_read(header, storage.get_into(key, [header, *parts]), parts, key), b"".join(parts)
+    streamed = StreamedChecksum()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(file_storage, "READ_RUN_BYTES", run_bytes)
+        length = storage.get_into(key, [header, *parts], on_read=streamed.start())
+    return FMT.check_read(header, length, parts, key, streamed), b"".join(parts)
 
 
 # ------------------------------------------------------------------ encode_into == encode
@@ -98,11 +109,88 @@ def test_fuzzed_files_get_the_reason_decode_gives(tmp_path: Path, data: st.DataO
     path = Path(storage._file(KEY))
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(raw)
-    reason, got = read_into_reason(storage, KEY, split_sizes(data.draw(st.lists(st.sampled_from(SPLITS)))))
+    sizes = split_sizes(data.draw(st.lists(st.sampled_from(SPLITS))))
     payload, why = FMT.decode(raw, KEY)
-    assert reason == why
-    if not reason:
-        assert got == bytes(payload)  # type: ignore[arg-type]
+    for run_bytes in (None, data.draw(st.sampled_from([1, 50, HEADER.size, 200, 1 << 20]))):
+        reason, got = read_into_reason(storage, KEY, sizes, run_bytes)
+        assert reason == why
+        if not reason:
+            assert got == bytes(payload)  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(st.integers(0, 40), max_size=40),
+    stored=st.integers(0, 900),
+    run_bytes=st.integers(1, 120),
+    iov_max=st.sampled_from([1, 2, 3, 16]),
+)
+def test_on_read_gets_each_full_buffer_once_in_order_in_runs(
+    tmp_path: Path, sizes: list[int], stored: int, run_bytes: int, iov_max: int
+) -> None:
+    """``get_into``'s ``on_read`` sees exactly the buffers the file filled, in order, each once, in runs of
+    at least READ_RUN_BYTES (all but the last) and at most IOV_MAX buffers, after their bytes landed."""
+    storage = FileStorage(tmp_path)
+    content = os.urandom(stored)
+    path = Path(storage._file(KEY))
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(content)
+    buffers = parts_of(sizes)
+    runs: list[list[bytes]] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(file_storage, "READ_RUN_BYTES", run_bytes)
+        patch.setattr(file_storage, "_IOV_MAX", iov_max)
+        length = storage.get_into(KEY, buffers, on_read=lambda run: runs.append([bytes(v) for v in run]))
+    assert length == stored
+    handed = [part for run in runs for part in run]
+    full = 0  # how many leading buffers the file fills whole
+    for end in itertools.accumulate(sizes):
+        if end > stored:
+            break
+        full += 1
+    assert [len(part) for part in handed] == sizes[:full]  # the full ones, in order, each once
+    assert b"".join(handed) == content[: sum(sizes[:full])]  # with their bytes in place when handed on
+    assert all(0 < len(run) <= iov_max and sum(map(len, run[:-1])) < run_bytes for run in runs)  # no overshoot
+    assert all(sum(map(len, run)) >= run_bytes or len(run) == iov_max for run in runs[:-1])  # no run cut short
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    header=st.binary(min_size=1, max_size=HEADER.size),
+    payload=st.binary(max_size=600),
+    cuts=st.lists(st.integers(0, 600), max_size=6),
+    groups=st.lists(st.integers(1, 4), min_size=8, max_size=8),
+)
+def test_a_streamed_checksum_is_the_payloads_xxh3_however_it_is_fed(
+    header: bytes, payload: bytes, cuts: list[int], groups: list[int]
+) -> None:
+    points = sorted({0, len(payload), *(c for c in cuts if c <= len(payload))})
+    parts = [memoryview(header)] + [memoryview(payload[a:b]) for a, b in itertools.pairwise(points)]
+    streamed = StreamedChecksum()
+    streamed(parts)  # a stale entry first: start() forgets it
+    streamed.start()
+    fed = 0
+    for size in itertools.cycle(groups):
+        if fed >= len(parts):
+            break
+        streamed(parts[fed : fed + size])
+        fed += size
+    assert streamed.intdigest() == xxhash.xxh3_64_intdigest(payload) and streamed.payload_bytes == len(payload)
+
+
+def test_a_payload_streamed_short_is_a_truncated_one() -> None:
+    """The file's length said whole, but fewer bytes reached the checksum (the file shrank mid-read)."""
+    payload = os.urandom(FMT.payload_length)
+    entry = FMT.encode(payload, KEY)
+    header, parts = bytearray(entry[: HEADER.size]), [bytearray(payload)]
+    streamed = StreamedChecksum().start()
+    streamed([memoryview(header)])
+    assert FMT.check_read(header, len(entry), parts, KEY, streamed) == "truncated payload"
+    streamed([memoryview(parts[0])])
+    assert FMT.check_read(header, len(entry), parts, KEY, streamed) == ""
+    parts[0][0] ^= 1  # the buffer changed after it was checksummed: the streamed sum is what counts
+    assert FMT.check_read(header, len(entry), parts, KEY, streamed) == ""
+    assert FMT.check_read(header, len(entry), parts, KEY) == "checksum mismatch"
 
 
 def test_an_entry_under_another_key_and_a_missing_one(tmp_path: Path) -> None:
@@ -234,7 +322,7 @@ def test_read_into_refuses_bad_targets_before_reading(tmp_path: Path) -> None:
 
 def test_a_raising_backend_makes_every_block_a_counted_miss(tmp_path: Path) -> None:
     class Broken(FileStorage):
-        def get_into(self, key: str, buffers: Sequence[object]) -> int | None:
+        def get_into(self, key: str, buffers: Sequence[object], on_read: object = None) -> int | None:
             raise RuntimeError("bug")
 
     tier = tier_on(Broken(tmp_path))
@@ -256,7 +344,7 @@ class Watched(FileStorage):
         self.peak = 0
         self._watch = threading.Lock()
 
-    def get_into(self, key: str, buffers: Sequence[object]) -> int | None:
+    def get_into(self, key: str, buffers: Sequence[object], on_read: Any = None) -> int | None:
         with self._watch:
             self.readers.setdefault(key, []).append(threading.current_thread().name)
             self.in_flight += 1
@@ -265,7 +353,7 @@ class Watched(FileStorage):
             threading.Event().wait(0.002)  # long enough that the helper gets its turns
             if key == self.fail:
                 raise RuntimeError("bug")
-            return super().get_into(key, buffers)
+            return super().get_into(key, buffers, on_read)
         finally:
             with self._watch:
                 self.in_flight -= 1

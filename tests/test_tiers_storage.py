@@ -20,7 +20,7 @@ from kvblocks.tiers import (
     namespace_tag,
     usable_prefix,
 )
-from kvblocks.tiers.entry import HEADER
+from kvblocks.tiers.entry import FORMAT_VERSION, HEADER
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", block_size=4)
 FORMAT = EntryFormat.for_spec(SPEC, "xxh3-128")
@@ -31,9 +31,9 @@ PAYLOAD = bytes(range(256)) * (SPEC.bytes_per_block // 256)
 
 
 def test_entry_round_trip_and_header_size() -> None:
-    assert HEADER.size == 108
+    assert HEADER.size == 128  # padded: the payload starts on a cache line of the file
     entry = FORMAT.encode(PAYLOAD, "k.1")
-    assert len(entry) == 108 + SPEC.bytes_per_block
+    assert len(entry) == 128 + SPEC.bytes_per_block and entry[92:112] == bytes(20)
     payload, why = FORMAT.decode(entry, "k.1")
     assert why == "" and bytes(payload) == PAYLOAD
     assert FORMAT.shape == (2, 2, 4, 2, 8) and FORMAT.dtype == "bfloat16"
@@ -53,11 +53,13 @@ def _flip(entry: bytes, at: int) -> bytes:
         (lambda e: _flip(e, 0), "bad magic"),
         (lambda e: e[:8] + struct.pack("<H", 1) + e[10:], "other format version"),
         (lambda e: e[:8] + struct.pack("<H", 1) + e[10:100], "other format version"),  # a version-1-sized value
-        (lambda e: e[:8] + struct.pack("<H", 3) + e[10:], "other format version"),
+        (lambda e: e[:8] + struct.pack("<H", 2) + e[10:92] + e[112:], "other format version"),  # version 2: 108 bytes
+        (lambda e: e[:8] + struct.pack("<H", FORMAT_VERSION + 1) + e[10:], "other format version"),
         (lambda e: _flip(e, 20), "other scheme, dtype, shape or spec"),
+        (lambda e: _flip(e, 100), "other scheme, dtype, shape or spec"),  # the padding must be zeros
         (lambda e: _flip(e, len(e) - 1), "checksum mismatch"),
-        (lambda e: _flip(e, 103), "checksum mismatch"),
-        (lambda e: _flip(e, 95), "written under another key"),  # the key digest
+        (lambda e: _flip(e, HEADER.size - 1), "checksum mismatch"),
+        (lambda e: _flip(e, HEADER.size - 9), "written under another key"),  # the key digest
     ],
 )
 def test_damaged_entries_are_misses_with_a_reason(damage, reason: str) -> None:

@@ -17,11 +17,13 @@ counted; a read that fails is a miss, counted.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +43,26 @@ if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names:
     _IOV_MAX = max(_IOV_MAX, min(1024, os.sysconf("SC_IOV_MAX")))
 
 
-def _read_fully(fd: int, views: list[memoryview]) -> None:
-    """Fill ``views`` from the file's start, in order, until they are full or the file ends.
+READ_RUN_BYTES = 512 << 10
+"""With ``get_into``'s ``on_read``: the bytes read per ``preadv`` before the filled buffers are handed on.
+
+Small enough that a run is still in the reading core's cache (L2 here: 1 MiB) when ``on_read``
+checksums it, so the check costs almost no second trip to memory; big enough that the calls per entry
+stay few. 16 entries of 2 MiB read into a block's scattered layer views by two threads (median of 150
+rounds, this VM): 2.75 ms in runs of 512 KiB, 2.78 of 1 MiB, 3.13 of 256 KiB, 3.90 of 128 KiB, 3.03
+read whole then checksummed, 2.67 read without a checksum."""
+
+
+def _read_fully(fd: int, views: list[memoryview], offset: int = 0) -> int:
+    """Fill ``views`` from ``offset`` in the file, in order, until they are full or the file ends; bytes read.
 
     ``preadv`` may return short (a signal, the kernel's per-call limits) and takes at most
     ``IOV_MAX`` buffers: it is called again on what is left, and a read of 0 bytes means the end.
     """
-    if _PREADV is not None and len(views) <= _IOV_MAX and _PREADV(fd, views, 0) == sum(map(len, views)):
-        return  # one call filled them all (the common case: no bookkeeping per buffer)
-    offset = 0  # short (a signal, the file's end) or too many buffers: again from the start, in steps
+    total = sum(map(len, views))
+    if _PREADV is not None and len(views) <= _IOV_MAX and _PREADV(fd, views, offset) == total:
+        return total  # one call filled them all (the common case: no bookkeeping per buffer)
+    start = offset  # short (a signal, the file's end) or too many buffers: again from the start, in steps
     pending = [view for view in views if len(view)]
     while pending:
         if _PREADV is not None:
@@ -60,13 +73,38 @@ def _read_fully(fd: int, views: list[memoryview]) -> None:
             got = len(data)
             pending[0][:got] = data
         if got <= 0:
-            return
+            break
         offset += got
         while pending and got >= len(pending[0]):
             got -= len(pending[0])
             pending.pop(0)
         if got:
             pending[0] = pending[0][got:]
+    return offset - start
+
+
+def _read_in_runs(fd: int, views: list[memoryview], on_read: Callable[[list[memoryview]], object]) -> None:
+    """Fill ``views`` as :func:`_read_fully` does, in runs of about :data:`READ_RUN_BYTES`, calling
+    ``on_read(run)`` with each run's views once they are full, in order (a view the file's end left
+    short, and those after it: never).
+
+        views   [hdr][ 64K ][ 64K ] ... [ 64K ][ 64K ] ...
+        reads   |------- run 1 (>= 512K) -----|-- run 2 ...
+        on_read  [hdr, 64K, ..., 64K]          then run 2's views
+    """
+    ends = list(itertools.accumulate(map(len, views)))
+    offset = first = 0
+    while first < len(views):
+        last = min(bisect.bisect_left(ends, offset + READ_RUN_BYTES, first), len(views) - 1, first + _IOV_MAX - 1)
+        run = views[first : last + 1]
+        got = _read_fully(fd, run, offset)
+        if got != ends[last] - offset:  # the file ended inside this run: hand on the views it filled
+            full = bisect.bisect_right(ends, offset + got, first, last + 1) - first
+            if full:
+                on_read(run[:full])
+            return
+        on_read(run)
+        offset, first = ends[last], last + 1
 
 
 class FileStorage:
@@ -225,18 +263,24 @@ class FileStorage:
             out.append(value)
         return out
 
-    def get_into(self, key: str, buffers: Sequence[Any]) -> int | None:
+    def get_into(
+        self, key: str, buffers: Sequence[Any], on_read: Callable[[list[memoryview]], object] | None = None
+    ) -> int | None:
         """Read the entry under ``key`` straight into ``buffers``, in order; its length, or None for a miss.
 
         The entry's first ``min(length, sum of the buffers)`` bytes land in the buffers (``preadv``
         where the platform has it): no fresh memory, no second copy, e.g. ``[header, layer0[b], ...,
         layer{L-1}[b]]`` puts a block's KV straight into place. A length other than the buffers' total
         says the entry is short or long; the caller checks the bytes (:meth:`EntryFormat.check_read`).
+        ``on_read``, if given, is called with each run of buffers (as byte views) as soon as they are full,
+        in order, the reads going in runs of :data:`READ_RUN_BYTES`: a checksum taken there finds the
+        bytes still in the CPU's cache (:class:`~kvblocks.tiers.entry.StreamedChecksum`). What it raises
+        propagates.
         Counted as :meth:`get` counts one key; safe to call from several threads at once (the counters
         are kept under the lock), as :meth:`StorageTier.read_into` does.
         """
         valid_key(key)
-        views = [byte_view(buffer) for buffer in buffers]
+        views = list(map(byte_view, buffers))
         try:
             fd = os.open(self._file(key), _O_READ)
         except FileNotFoundError:
@@ -248,7 +292,10 @@ class FileStorage:
             return None
         try:
             length = os.fstat(fd).st_size
-            _read_fully(fd, views)
+            if on_read is None:
+                _read_fully(fd, views)
+            else:
+                _read_in_runs(fd, views, on_read)
         except OSError:
             self._note_miss(error=True)
             return None

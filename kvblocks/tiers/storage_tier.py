@@ -48,7 +48,7 @@ from kvblocks.event_codec import BlockStored, is_group_tag
 from kvblocks.events import EventSink, record_changes
 from kvblocks.hashing import BlockHash, Namespace
 from kvblocks.tiers.config import TierConfig
-from kvblocks.tiers.entry import HEADER, EntryFormat, block_key, namespace_tag
+from kvblocks.tiers.entry import HEADER, EntryFormat, StreamedChecksum, block_key, namespace_tag
 from kvblocks.tiers.storage import StorageBackend, byte_view
 from kvblocks.tiers.writer import AsyncWriter, EntryPool
 
@@ -592,10 +592,11 @@ class StorageTier:
 
         ``targets[i]`` are the writable buffers block ``i``'s payload goes into, in order, together
         exactly the payload's length (e.g. each layer's view of one KV block). With a backend that reads
-        into place (``FileStorage.get_into``) the bytes go straight there, then are checked: header,
-        checksum (streamed over the buffers), key. Otherwise (Redis) each entry is read and decoded as
-        :meth:`read` does, and copied. The checks, stats and index updates are :meth:`read`'s, and a
-        backend that raises makes every block a miss (counted in ``load_errors``).
+        into place (``FileStorage.get_into(key, buffers, on_read)``) the bytes go straight there and are
+        checked: header, checksum (taken as the read lands, while the bytes are in cache), key. Otherwise
+        (Redis) each entry is read and decoded as :meth:`read` does, and copied. The checks, stats and index
+        updates are :meth:`read`'s, and a backend that raises makes every block a miss (counted in
+        ``load_errors``).
 
         Only the returned leading run holds sound KV: a buffer past it may hold anything -- part of an
         entry, a corrupt one -- so its block must be recomputed (vLLM: reported as a load error). A tier
@@ -617,7 +618,7 @@ class StorageTier:
         out = []
         for target in targets:
             try:
-                views = [byte_view(part) for part in target]
+                views = list(map(byte_view, target))
             except (TypeError, ValueError) as e:
                 raise InvalidArgumentError(f"a read target must be contiguous buffers: {e}") from None
             if any(map(_READONLY, views)):
@@ -642,16 +643,19 @@ class StorageTier:
         return self._settle(hashes, keys, reasons)
 
     def _entry_reader(
-        self, get_into: Callable[[str, list[Any]], int | None], keys: list[str], parts: list[list[memoryview]]
+        self, get_into: Callable[..., int | None], keys: list[str], parts: list[list[memoryview]]
     ) -> Callable[[int], str]:
         """One thread's reader of entry ``i`` into ``parts[i]``: why it is unsound ("" when sound) -- header,
-        length, checksum and key checked (:meth:`EntryFormat.check_read`) once the read is in place."""
+        length, checksum and key checked (:meth:`EntryFormat.check_read`) once the read is in place, the
+        checksum taken as the read lands (``get_into(key, buffers, on_read=...)``)."""
         header = bytearray(HEADER.size)  # one per thread
+        checksum = StreamedChecksum()
         check = self.format.check_read
 
         def read(i: int) -> str:
             key, views = keys[i], parts[i]
-            return check(header, get_into(key, [header, *views]), views, key)
+            length = get_into(key, [header, *views], on_read=checksum.start())
+            return check(header, length, views, key, checksum)
 
         return read
 

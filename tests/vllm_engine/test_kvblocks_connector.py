@@ -96,7 +96,7 @@ def test_corrupt_entries_are_counted_misses_recomputed_into_identical_outputs(ma
     config = _config({"path": str(store)})
     prompts, outputs_a, _ = _fill(make_llm, config)
     entries = [f for f in store.rglob("*") if f.is_file()]
-    for f in entries:  # one flipped bit in every payload (after the 108-byte header)
+    for f in entries:  # one flipped bit in every payload (after the 128-byte header)
         data = bytearray(f.read_bytes())
         data[200] ^= 0x01
         f.write_bytes(bytes(data))

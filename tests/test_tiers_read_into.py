@@ -4,8 +4,10 @@ EntryFormat.encode / decode and StorageTier.read, which these must agree with by
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
+import platform
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +24,7 @@ from kvblocks.tiers import FileStorage, MemoryStorage, file_storage
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.entry import HEADER, EntryFormat, StreamedChecksum, block_key
 from kvblocks.tiers.storage_tier import StorageTier
-from kvblocks.tiers.writer import AsyncWriter, EntryPool
+from kvblocks.tiers.writer import BUFFER_ALIGNMENT, AsyncWriter, EntryPool, aligned_bytearray
 
 FMT = EntryFormat("xxh3-128", "float16", (2, 2, 4, 8), 7, 2 * 2 * 4 * 8 * 2)  # 256-byte payloads
 KEY = block_key("0123456789abcdef", "xxh3-128", b"\x01" * 16, format_tag=FMT.tag)
@@ -517,6 +519,35 @@ def test_the_pool_never_hands_out_a_buffer_still_queued(ops, max_pending: int) -
     finally:
         storage.gate.set()
         writer.close(5.0)
+
+
+def address_of(buffer: bytearray) -> int:
+    probe = ctypes.c_char.from_buffer(buffer)
+    try:
+        return ctypes.addressof(probe)
+    finally:
+        del probe
+
+
+@settings(max_examples=100, deadline=None)
+@given(size=st.integers(1, 5 << 20), alignment=st.sampled_from([1, 2, 16, 64, 4096]))
+def test_aligned_buffers_start_on_the_boundary_zeroed_and_whole(size: int, alignment: int) -> None:
+    buffer = aligned_bytearray(size, alignment)
+    assert type(buffer) is bytearray and len(buffer) == size and buffer.count(0) == size
+    if platform.python_implementation() == "CPython" and size >= alignment:  # else best effort (docstring)
+        assert address_of(buffer) % alignment == 0
+    buffer[-1:] = b"\x01"  # a full-size, writable buffer whose bytes stayed put
+    assert buffer[-1] == 1 and len(buffer) == size
+
+
+@pytest.mark.skipif(platform.python_implementation() != "CPython", reason="alignment relies on CPython's bytearray")
+def test_pooled_entry_buffers_are_cache_line_aligned() -> None:
+    pool = EntryPool(FMT.entry_length, max_free=4)
+    buffers = [pool.take() for _ in range(4)]
+    assert all(address_of(b) % BUFFER_ALIGNMENT == 0 and len(b) == FMT.entry_length for b in buffers)
+    for b in buffers:
+        pool.give(b)
+    assert pool.free == 4 and all(pool.take() in buffers for _ in range(4))  # handed out again as they are
 
 
 def test_dropped_entries_give_their_buffers_back_and_the_pool_stays_bounded() -> None:

@@ -34,6 +34,7 @@ the engine:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import threading
@@ -47,7 +48,7 @@ from kvblocks.errors import ConfigError, InvalidArgumentError, SequenceStateErro
 from kvblocks.tiers.entry import valid_key
 from kvblocks.tiers.storage import StorageBackend
 
-__all__ = ["AsyncWriter", "EntryPool", "WriterStats"]
+__all__ = ["BUFFER_ALIGNMENT", "AsyncWriter", "EntryPool", "WriterStats", "aligned_bytearray"]
 
 _log = logging.getLogger("kvblocks.tiers")
 
@@ -71,11 +72,36 @@ class WriterStats:
         return replace(self)
 
 
+BUFFER_ALIGNMENT = 64
+"""Where a pooled entry buffer's bytes start: on a cache line. The payload after the 128-byte header
+then lines up with the KV tensors it is copied from and the page cache it is written to: copying 16
+blocks of 2 MiB out of vLLM's layer views took 2.5 ms into aligned buffers against 3.4 ms into plain
+bytearrays (whose data starts 16 bytes past a line)."""
+
+
+def aligned_bytearray(size: int, alignment: int = BUFFER_ALIGNMENT) -> bytearray:
+    """A zeroed ``bytearray`` of ``size`` bytes whose data starts on an ``alignment``-byte boundary.
+
+    CPython moves a bytearray's start, not its bytes, when leading bytes are deleted (and keeps the
+    block when a few trailing ones are), so over-allocating and trimming both ends aligns it -- for
+    ``size >= alignment`` (a smaller one shrinks to under half its block and is copied). Where the
+    bytes move, the buffer is merely unaligned: slower, never wrong.
+    """
+    buffer = bytearray(size + alignment - 1)
+    probe = ctypes.c_char.from_buffer(buffer)  # exports the buffer: no resize while it lives
+    shift = -ctypes.addressof(probe) % alignment
+    del probe
+    del buffer[:shift]
+    del buffer[size:]
+    return buffer
+
+
 class EntryPool:
     """Reusable entry buffers of one size: a writer hands each back once its entry is resolved.
 
     An entry built in place (header, then the block copied straight from the KV tensors) needs a
-    buffer per block; fresh 2 MiB buffers cost a page fault per 4 KiB on every save. The pool keeps
+    buffer per block; fresh 2 MiB buffers cost a page fault per 4 KiB on every save. Buffers are
+    cache-line aligned (:func:`aligned_bytearray`). The pool keeps
     at most ``max_free`` returned buffers (a bound on idle memory) and makes a new one when none is
     free: :meth:`take` never waits. A buffer is taken by one owner at a time -- the caller filling it,
     then the writer's queue -- and comes back only when the writer is done with it (written, failed,
@@ -102,7 +128,7 @@ class EntryPool:
                 self.reused += 1
                 return self._free.pop()
             self.created += 1
-        return bytearray(self.size)
+        return aligned_bytearray(self.size)
 
     def give(self, buffer: bytearray) -> None:
         """Return a buffer taken from this pool; its owner must not touch it any more."""

@@ -540,6 +540,12 @@ def test_aligned_buffers_start_on_the_boundary_zeroed_and_whole(size: int, align
     assert buffer[-1] == 1 and len(buffer) == size
 
 
+@pytest.mark.parametrize("size, alignment", [(0, 64), (-1, 64), (64, 0), (64, True), (2.0, 64)])
+def test_an_aligned_buffer_of_no_size_or_alignment_is_refused(size: object, alignment: object) -> None:
+    with pytest.raises(InvalidArgumentError):
+        aligned_bytearray(size, alignment)  # type: ignore[arg-type]
+
+
 @pytest.mark.skipif(platform.python_implementation() != "CPython", reason="alignment relies on CPython's bytearray")
 def test_pooled_entry_buffers_are_cache_line_aligned() -> None:
     pool = EntryPool(FMT.entry_length, max_free=4)

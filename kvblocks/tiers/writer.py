@@ -87,6 +87,9 @@ def aligned_bytearray(size: int, alignment: int = BUFFER_ALIGNMENT) -> bytearray
     ``size >= alignment`` (a smaller one shrinks to under half its block and is copied). Where the
     bytes move, the buffer is merely unaligned: slower, never wrong.
     """
+    for value, what in ((size, "size"), (alignment, "alignment")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{what} must be an int >= 1, got {value!r}")
     buffer = bytearray(size + alignment - 1)
     probe = ctypes.c_char.from_buffer(buffer)  # exports the buffer: no resize while it lives
     shift = -ctypes.addressof(probe) % alignment

@@ -25,6 +25,7 @@ from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.entry import HEADER, EntryFormat, StreamedChecksum, block_key
 from kvblocks.tiers.storage_tier import StorageTier
 from kvblocks.tiers.writer import BUFFER_ALIGNMENT, AsyncWriter, EntryPool, aligned_bytearray
+from tests.damage import damaged
 
 FMT = EntryFormat("xxh3-128", "float16", (2, 2, 4, 8), 7, 2 * 2 * 4 * 8 * 2)  # 256-byte payloads
 KEY = block_key("0123456789abcdef", "xxh3-128", b"\x01" * 16, format_tag=FMT.tag)
@@ -83,22 +84,6 @@ def test_get_into_round_trips_what_get_reads(tmp_path_factory: pytest.TempPathFa
     decoded, why = FMT.decode(storage.get([KEY])[0], KEY)
     assert reason == why == "" and got == bytes(decoded) == payload  # type: ignore[arg-type]
     assert storage.stats.hits == 2 and storage.stats.misses == 0
-
-
-def damaged(entry: bytes, data: st.DataObject) -> bytes:
-    how = data.draw(st.sampled_from(["flip", "truncate", "extend", "random", "header-only", "tiny"]))
-    if how == "flip":
-        at = data.draw(st.integers(0, len(entry) - 1))
-        return entry[:at] + bytes([entry[at] ^ data.draw(st.integers(1, 255))]) + entry[at + 1 :]
-    if how == "truncate":
-        return entry[: data.draw(st.integers(0, len(entry) - 1))]
-    if how == "extend":
-        return entry + data.draw(st.binary(min_size=1, max_size=300))
-    if how == "header-only":
-        return entry[: HEADER.size]
-    if how == "tiny":
-        return entry[: data.draw(st.integers(0, 12))]
-    return data.draw(st.binary(max_size=2 * len(entry)))
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

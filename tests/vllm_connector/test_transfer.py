@@ -21,6 +21,7 @@ from kvblocks.integrations.vllm.transfer import load_run, save_run  # noqa: E402
 from kvblocks.tiers import FileStorage, MemoryStorage  # noqa: E402
 from kvblocks.tiers.config import TierConfig  # noqa: E402
 from kvblocks.tiers.storage_tier import StorageTier  # noqa: E402
+from tests.damage import damaged  # noqa: E402
 
 LAYERS, NUM_BLOCKS, SHAPE = 3, 8, (2, 32, 8)  # [kv_heads, block_size, 2 * head_dim], vLLM's CPU layout
 FMT = VllmKVFormat("test/llama", "bfloat16", LAYERS, SHAPE, 32)
@@ -99,18 +100,6 @@ def test_bad_block_ids_raise_before_anything_is_queued_or_read(tier: StorageTier
     assert tier.writer.stats.submitted == 0 and tier.stats.loads_requested == 0
 
 
-def damage(raw: bytes, data: st.DataObject) -> bytes:
-    how = data.draw(st.sampled_from(["flip", "truncate", "extend", "random"]))
-    if how == "flip":
-        at = data.draw(st.integers(0, len(raw) - 1))
-        return raw[:at] + bytes([raw[at] ^ data.draw(st.integers(1, 255))]) + raw[at + 1 :]
-    if how == "truncate":
-        return raw[: data.draw(st.integers(0, len(raw) - 1))]
-    if how == "extend":
-        return raw + data.draw(st.binary(min_size=1, max_size=64))
-    return data.draw(st.binary(max_size=len(raw) + 64))
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_a_damaged_entry_is_a_counted_miss_and_the_rest_of_the_run_a_load_error(
@@ -127,7 +116,7 @@ def test_a_damaged_entry_is_a_counted_miss_and_the_rest_of_the_run_a_load_error(
         (key,) = tier.keys_of(HASHES[bad])
         path = Path(tier.backend._file(key))  # type: ignore[attr-defined]
         raw = path.read_bytes()
-        broken = damage(raw, data)
+        broken = damaged(raw, data)
         path.write_bytes(broken)
         usable = load_run(tier, LayerBlocks(target), HASHES, [4, 5, 6, 7])
         if FMT.entry_format.decode(broken, key)[0] is not None:  # a damage that left the entry sound (rare)

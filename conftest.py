@@ -8,4 +8,4 @@ import importlib.util
 # cannot be collected (the tests under tests/ skip themselves with importorskip).
 collect_ignore = [] if importlib.util.find_spec("transformers") else ["kvblocks/integrations/transformers.py"]
 if importlib.util.find_spec("vllm") is None:
-    collect_ignore.append("kvblocks/integrations/vllm/connector.py")
+    collect_ignore += ["kvblocks/integrations/vllm/connector.py", "kvblocks/integrations/vllm/stats.py"]

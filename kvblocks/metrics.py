@@ -402,7 +402,6 @@ def _collect_tiers(f: _Families, cache: dict[str, str], manager: TieredKVCacheMa
         ("hit", reads.loads_hit),
         ("missing", reads.loads_missing),
         ("corrupt", reads.loads_corrupt),
-        ("incompatible", reads.loads_incompatible),
         ("wrong_key", reads.loads_wrong_key),
         ("timeout", reads.load_timeouts),
         ("error", reads.load_errors),

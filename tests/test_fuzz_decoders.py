@@ -555,7 +555,7 @@ def storage_tier():
     tier.close()
 
 
-_LOAD_COUNTERS = ("loads_hit", "loads_missing", "loads_incompatible", "loads_corrupt", "loads_wrong_key")
+_LOAD_COUNTERS = ("loads_hit", "loads_missing", "loads_corrupt", "loads_wrong_key")
 
 
 @SMALL

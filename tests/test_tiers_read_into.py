@@ -593,3 +593,24 @@ def test_a_store_opened_without_indexing_still_serves_what_is_on_disk(tmp_path: 
     assert len(lookup) == 0 and lookup.exists([KEY, OTHER_KEY]) == [True, False] and lookup.contains([KEY]) == 1
     assert (tmp_path / writer._shard(KEY) / ".tmp-left-by-a-dead-writer").exists()  # not its to clean
     assert FileStorage(tmp_path).exists([KEY]) == [True]
+
+
+@pytest.mark.parametrize("version_byte", [0, 2, 4, 0xFF])
+def test_a_flipped_version_byte_is_removed_and_the_block_written_again(tmp_path: Path, version_byte: int) -> None:
+    """Under a key whose format tag names this format, a header of another version is damage: read_into counts it
+    corrupt and removes it, so the writer (which skips keys that exist) stores the rightful entry again."""
+    tier = StorageTier(TierConfig(storage=FileStorage(tmp_path), entry_format=FMT), "ns", "xxh3-128", 4)
+    try:
+        h = b"\x05" * 16
+        (key,) = tier.keys_of(h)
+        sound = FMT.encode(bytes(range(256)), key)
+        damaged_entry = sound[:8] + bytes([version_byte]) + sound[9:]
+        tier.backend.put([(key, damaged_entry)])
+        assert tier.read_into([h], [[bytearray(256)]]) == 0
+        assert tier.stats.loads_corrupt == 1 and tier.backend.get([key]) == [None]
+        tier.save([h], [bytes(range(256))])
+        assert tier.flush(5.0) and tier.writer.stats.written == 1
+        target = bytearray(256)
+        assert tier.read_into([h], [[target]]) == 1 and bytes(target) == bytes(range(256))
+    finally:
+        tier.close()

@@ -122,13 +122,17 @@ def test_bad_hashes_make_no_key(bad) -> None:
         block_key("0" * 16, "xxh3-128", bad, format_tag=FORMAT.tag)
 
 
-@pytest.mark.parametrize("bad", ["", "0" * 15, "0" * 17, "ABCDEF0123456789", "0123456789abcde.", None, 7])
+@pytest.mark.parametrize(
+    "bad", ["", "0" * 15, "0" * 17, "ABCDEF0123456789", "0123456789abcde.", "0123456789abcdef\n", None, 7]
+)
 def test_a_malformed_format_tag_makes_no_key(bad) -> None:
     with pytest.raises(InvalidArgumentError, match="format_tag"):
         block_key("0" * 16, "xxh3-128", b"\x01", format_tag=bad)
 
 
-@pytest.mark.parametrize("key", ["../etc/passwd", "/abs", "UPPER", "", "a b", "a/b", ".hidden", "x" * 300])
+@pytest.mark.parametrize(
+    "key", ["../etc/passwd", "/abs", "UPPER", "", "a b", "a/b", ".hidden", "x" * 300, "abc\n", "a.b\n", "\nabc"]
+)
 def test_only_well_formed_keys_reach_a_backend(key: str, tmp_path) -> None:
     for storage in (MemoryStorage(), FileStorage(tmp_path)):
         with pytest.raises(InvalidArgumentError):

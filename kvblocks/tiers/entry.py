@@ -24,7 +24,9 @@ bytes off every destination line and the kernel's copy into a block's layer view
 A reader decodes against the format it expects, and the key it read: a different magic, version,
 scheme, dtype, shape or spec, a short or long payload, a checksum that does not match, or a
 sound entry written under another key (copied or renamed) makes the entry a miss with a reason --
-never wrong KV.
+never wrong KV. Since the key's format tag names the whole header prefix, no sound entry of another
+version or spec is ever stored under a key of this format: such a header is damage, and the storage
+tier removes it like any corrupt entry.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ HEADER = struct.Struct("<8sHH16s16s8IQQ20xQQ")
 PAYLOAD_ALIGNMENT = 64
 if HEADER.size % PAYLOAD_ALIGNMENT:  # pragma: no cover - a layout edit that forgot the padding
     raise ImportError(f"the entry header is {HEADER.size} bytes, not a multiple of {PAYLOAD_ALIGNMENT}")
-_KEY = re.compile(r"^[a-z0-9][a-z0-9.\-]{0,250}$")
-_TAG = re.compile(r"^[0-9a-f]{16}$")
+_KEY = re.compile(r"[a-z0-9][a-z0-9.\-]{0,250}")
+_TAG = re.compile(r"[0-9a-f]{16}")
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend  # runs an iterator to its end in C
 _UNBOUND = 0  # the key digest of an entry encoded without a key: never served under any key
 
@@ -92,7 +94,7 @@ def block_key(tag: str, scheme: str, block_hash: BlockHash, rank: int | None = N
     ``format_tag`` is :attr:`EntryFormat.tag` of the entries' format: different KV formats get
     different keys, so one never finds (or skips writing over) the other's entries.
     """
-    if not isinstance(format_tag, str) or not _TAG.match(format_tag):
+    if not isinstance(format_tag, str) or not _TAG.fullmatch(format_tag):
         raise InvalidArgumentError(f"format_tag must be 16 lowercase hex digits (EntryFormat.tag), got {format_tag!r}")
     if isinstance(block_hash, bytes) and block_hash:
         digest = "b" + block_hash.hex()
@@ -110,7 +112,7 @@ def block_key(tag: str, scheme: str, block_hash: BlockHash, rank: int | None = N
 
 def valid_key(key: str) -> str:
     """``key`` itself, if it is a well-formed storage key; raises otherwise (a path can never sneak in)."""
-    if not isinstance(key, str) or not _KEY.match(key):
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
         raise InvalidArgumentError(f"{key!r} is not a storage key (lowercase letters, digits, '.' and '-')")
     return key
 
@@ -278,7 +280,7 @@ class EntryFormat:
             return "absent"
         head = bytes(header[: min(length, HEADER.size)])
         if len(head) >= 10 and head[:8] == MAGIC and int.from_bytes(head[8:10], "little") != FORMAT_VERSION:
-            return "other format version"  # checked first: an older header has another size
+            return "other format version"  # checked first: the length checks below assume this version's header
         if length < HEADER.size:
             return "truncated header"
         prefix = self._prefix

@@ -17,7 +17,7 @@ wrong KV: every entry is checked against its header, checksum and key when read.
 
 With an event sink, the index's changes become ``tier="storage"`` events: a hash it learns is stored
 (a write landed, a probe found it) is a ``BlockStored``, one it forgets (a read found it missing,
-corrupt, of another format or under another key; the index's size bound dropped it) a
+corrupt or under another key; the index's size bound dropped it) a
 ``BlockRemoved``. The I/O threads change the index, but an :class:`~kvblocks.events.EventSink` is
 not thread-safe: each change is noted under the index's lock, in the order the index saw it, and
 :meth:`StorageTier.publish` emits the notes from the thread that drives the manager (the manager
@@ -57,7 +57,6 @@ __all__ = ["LoadOutcome", "StorageTier", "StorageTierStats"]
 _log = logging.getLogger("kvblocks.tiers")
 _Read = TypeVar("_Read")  # what a guarded read returns: a LoadOutcome, or a count of blocks read
 _MAX_QUEUED_PROBES = 256
-_FOREIGN = frozenset({"other format version", "other scheme, dtype, shape or spec"})
 _WRONG_KEY = "written under another key"
 _READONLY = operator.attrgetter("readonly")
 ENTRY_POOL_BYTES = 256 << 20
@@ -81,7 +80,8 @@ class StorageTierStats:
     loads_hit: int = 0
     loads_missing: int = 0
     loads_corrupt: int = 0
-    loads_incompatible: int = 0
+    """Entries found damaged (bad magic, another format version or spec than their key's format tag names, short,
+    long, checksum mismatch): a miss, and removed so that the block can be written again."""
     loads_wrong_key: int = 0
     """Sound entries whose header names another key (copied or renamed): a miss, and removed."""
     loads_beyond_a_miss: int = 0
@@ -540,16 +540,17 @@ class StorageTier:
         """Count and clean up after a read whose shard ``keys[i]`` was found ``reasons[i]`` ("" sound);
         returns how many leading ``hashes`` have every shard sound.
 
-        Corrupt entries (bad magic, short, checksum mismatch) and entries written under another
-        key are deleted (the writer skips keys that exist, so they would block the rightful
-        entry); an entry another cache spec or format version wrote is a miss but is left for
-        its readers. Hashes that failed leave the index.
+        Corrupt entries and entries written under another key are deleted: the writer skips keys that
+        exist, so they would block the rightful entry forever. A header naming another format version
+        or spec is corrupt too: the key's format tag (:attr:`EntryFormat.tag`) names this format's
+        header, so no sound entry of another format is ever stored under it -- a flipped version byte
+        must not make a block unwritable. Hashes that failed leave the index.
         """
         shards = len(self._ranks)
         failed: list[BlockHash] = []
         corrupt: list[str] = []
         misplaced: list[str] = []
-        absent = foreign = usable = 0
+        absent = usable = 0
         for i, h in enumerate(hashes):
             sound = 0
             for j in range(shards):
@@ -558,8 +559,6 @@ class StorageTier:
                     sound += 1
                 elif reason == "absent":
                     absent += 1
-                elif reason in _FOREIGN:
-                    foreign += 1  # sound, but another spec's or format version's: a miss, left alone
                 elif reason == _WRONG_KEY:
                     misplaced.append(key)
                 else:
@@ -578,7 +577,6 @@ class StorageTier:
         stats = self.stats
         stats.loads_hit += usable
         stats.loads_missing += absent
-        stats.loads_incompatible += foreign
         stats.loads_corrupt += len(corrupt)
         stats.loads_wrong_key += len(misplaced)
         stats.loads_beyond_a_miss += max(0, len(hashes) - usable - 1)

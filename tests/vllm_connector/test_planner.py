@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvblocks.errors import ConfigError, InvalidArgumentError
-from kvblocks.integrations.vllm.planner import BlockRun, TransferPlanner
+from kvblocks.integrations.vllm.planner import BlockRun, Scheduled, StepPlan, TransferPlanner
 
 BS = 4
 
@@ -60,6 +60,11 @@ class FakeIndex:
 
 def chain(n: int, tag: str = "r") -> list[bytes]:
     return [f"{tag}{i}".encode() for i in range(n)]
+
+
+def step(planner: TransferPlanner, *requests: Scheduled, **hashes: Sequence[bytes]) -> StepPlan:
+    """One step of ``requests`` (``hashes`` introduces requests the planner never matched, by id)."""
+    return planner.plan_step(requests, hashes=hashes)
 
 
 class Clock:
@@ -120,11 +125,13 @@ def test_allocated_blocks_become_one_load_of_exact_ids() -> None:
     planner = TransferPlanner(index, BS)
     assert planner.match("a", h, 24, 4) == 4 * BS
     planner.allocated("a", [7, 3, 9, 11, 2, 5], 4 * BS)
-    assert planner.take_loads() == ((BlockRun("a", tuple(h[1:5]), (3, 9, 11, 2)),), ())
-    assert planner.take_loads() == ((), ())
-    # the loaded blocks are not saved again; block 5 is, once the step fills it
-    run = planner.scheduled("a", 20, 4, block_ids=[7, 3, 9, 11, 2, 5])
-    assert run == BlockRun("a", (h[5],), (5,))
+    plan = step(planner, Scheduled("a", 20, 4, block_ids=[7, 3, 9, 11, 2, 5]))
+    assert plan.loads == (BlockRun("a", tuple(h[1:5]), (3, 9, 11, 2)),) and plan.failed == ()
+    # the loaded blocks are not saved again; block 5 is, once the step fills it -- computed over this step's
+    # loads, whose outcome the scheduler does not know yet: they are its guard (block 7 is a local hit)
+    roots = frozenset((plan.step, b) for b in (3, 9, 11, 2))
+    assert plan.saves == (BlockRun("a", (h[5],), (5,), (roots,)),)
+    assert step(planner).loads == ()
 
 
 def test_allocation_without_a_match_in_whole_blocks_is_refused() -> None:
@@ -135,34 +142,45 @@ def test_allocation_without_a_match_in_whole_blocks_is_refused() -> None:
         planner.allocated("a", [0, 1, 2], 5)
     with pytest.raises(InvalidArgumentError):
         planner.allocated("a", [0, 1], 3 * BS)  # fewer blocks than the match
-    assert planner.take_loads() == ((), ())
+    assert step(planner).loads == ()
 
 
 def test_saves_are_whole_real_blocks_each_once_and_never_known_ones() -> None:
     h = chain(4)
     index = FakeIndex(known={h[1]})
     planner = TransferPlanner(index, BS)
-    assert planner.scheduled("a", 0, 6, block_ids=[10, 11], hashes=h[:1]) == BlockRun("a", (h[0],), (10,))
+    assert step(planner, Scheduled("a", 0, 6, block_ids=[10, 11]), a=h[:1]).saves == (BlockRun("a", (h[0],), (10,)),)
     # 6 -> 14 tokens: blocks 1, 2 full (1 is known stored); block 3 needs 16 tokens
-    run = planner.scheduled("a", 6, 8, new_block_ids=[12, 13], hashes=h)
-    assert run is None  # the planner kept the first hashes list it was given: only one hash known
+    plan = step(planner, Scheduled("a", 6, 8, new_block_ids=[12, 13]), a=h)
+    assert plan.saves == ()  # the planner kept the first hashes list it was given: only one hash known
     planner = TransferPlanner(index, BS)
-    assert planner.scheduled("b", 0, 14, block_ids=[10, 11, 12, 13], hashes=h) == BlockRun("b", (h[0], h[2]), (10, 12))
-    assert planner.scheduled("b", 14, 1, hashes=h) is None  # 15 tokens: block 3 not full yet
-    assert planner.scheduled("b", 15, 1, hashes=h) == BlockRun("b", (h[3],), (13,))
-    assert planner.scheduled("b", 16, 1, hashes=h) is None
+    plan = step(planner, Scheduled("b", 0, 14, block_ids=[10, 11, 12, 13]), b=h)
+    assert plan.saves == (BlockRun("b", (h[0], h[2]), (10, 12)),)
+    assert step(planner, Scheduled("b", 14, 1)).saves == ()  # 15 tokens: block 3 not full yet
+    assert step(planner, Scheduled("b", 15, 1)).saves == (BlockRun("b", (h[3],), (13,)),)
+    assert step(planner, Scheduled("b", 16, 1)).saves == ()
+    # drafts are computed but may be rejected: a block they would fill is not saved until real tokens fill it
+    planner = TransferPlanner(FakeIndex(), BS)
+    assert step(planner, Scheduled("c", 0, 6, 3, block_ids=[1, 2]), c=h).saves == ()
+    assert step(planner, Scheduled("c", 3, 2)).saves == (BlockRun("c", (h[0],), (1,)),)
 
 
 def test_requests_sharing_a_prefix_in_one_step_save_its_blocks_once() -> None:
     h = chain(3)
     planner = TransferPlanner(FakeIndex(), BS)
-    assert planner.scheduled("a", 0, 12, block_ids=[0, 1, 2], hashes=h) == BlockRun("a", tuple(h), (0, 1, 2))
-    assert planner.scheduled("b", 0, 12, block_ids=[0, 1, 5], hashes=h[:2] + [b"other"]) == BlockRun(
-        "b", (b"other",), (5,)
+    plan = step(
+        planner,
+        Scheduled("a", 0, 12, block_ids=[0, 1, 2]),
+        Scheduled("b", 0, 12, block_ids=[0, 1, 5]),
+        a=h,
+        b=h[:2] + [b"other"],
     )
+    assert plan.saves == (BlockRun("a", tuple(h), (0, 1, 2)), BlockRun("b", (b"other",), (5,)))
     forgetful = TransferPlanner(FakeIndex(), BS, recent_saves=1)  # remembers only the last planned save
-    forgetful.scheduled("a", 0, 12, block_ids=[0, 1, 2], hashes=h)
-    assert forgetful.scheduled("b", 0, 12, block_ids=[3, 4, 5], hashes=h) == BlockRun("b", tuple(h[:2]), (3, 4))
+    step(forgetful, Scheduled("a", 0, 12, block_ids=[0, 1, 2]), a=h)
+    assert step(forgetful, Scheduled("b", 0, 12, block_ids=[3, 4, 5]), b=h).saves == (
+        BlockRun("b", tuple(h[:2]), (3, 4)),
+    )
 
 
 def test_a_failed_load_is_forgotten_and_its_recomputed_blocks_saved_again() -> None:
@@ -171,21 +189,26 @@ def test_a_failed_load_is_forgotten_and_its_recomputed_blocks_saved_again() -> N
     planner = TransferPlanner(index, BS)
     assert planner.match("a", h, 20, 0) == 4 * BS
     planner.allocated("a", [10, 11, 12, 13, 14], 4 * BS)
-    (run,), _ = planner.take_loads()
-    assert run.block_ids == (10, 11, 12, 13)
+    plan = step(planner, Scheduled("a", 16, 4, block_ids=[10, 11, 12, 13, 14]))
+    (run,) = plan.loads
+    assert run.block_ids == (10, 11, 12, 13) and plan.saves == ()  # block 4 is known stored
     # the workers loaded blocks 10 and 11; 12 was corrupt, so vLLM recomputes 12 and 13 (from the first failure)
     assert planner.load_failed({12, 13, 99}) == 2  # 99 is no load of this planner's
     assert index.known == {h[0], h[1], h[4]}
-    assert planner.scheduled("a", 8, 12, block_ids=[10, 11, 12, 13, 14]) == BlockRun("a", (h[2], h[3]), (12, 13))
+    planner.confirm({plan.step: {12, 13}})
+    assert planner.provenance.is_bad(12) and planner.provenance.is_bad(13) and not planner.provenance.is_bad(10)
+    # vLLM rewinds a to block 2 and recomputes it over 10 and 11, which loaded sound: saved, unguarded
+    assert step(planner, Scheduled("a", 8, 12)).saves == (BlockRun("a", (h[2], h[3]), (12, 13)),)
+    assert planner.provenance.clean
     assert planner.load_failed({12}) == 0  # reported once
 
 
 def test_a_preempted_request_saves_into_its_new_table_and_not_twice() -> None:
     h = chain(3)
     planner = TransferPlanner(FakeIndex(), BS)
-    assert planner.scheduled("a", 0, 4, block_ids=[1, 2, 3], hashes=h) == BlockRun("a", (h[0],), (1,))
-    planner.preempted("a")
-    assert planner.scheduled("a", 0, 12, block_ids=[7, 8, 9]) == BlockRun("a", (h[1], h[2]), (8, 9))
+    assert step(planner, Scheduled("a", 0, 4, block_ids=[1, 2, 3]), a=h).saves == (BlockRun("a", (h[0],), (1,)),)
+    planner.plan_step((), preempted=["a"])
+    assert step(planner, Scheduled("a", 0, 12, block_ids=[7, 8, 9])).saves == (BlockRun("a", (h[1], h[2]), (8, 9)),)
 
 
 def test_a_finished_request_is_forgotten_with_its_unsent_loads() -> None:
@@ -194,8 +217,8 @@ def test_a_finished_request_is_forgotten_with_its_unsent_loads() -> None:
     assert planner.match("a", h, 13, 0) == 3 * BS
     planner.allocated("a", [4, 5, 6], 3 * BS)
     planner.finished("a")
-    assert planner.take_loads() == ((), ()) and len(planner) == 0
-    assert planner.scheduled("a", 0, 12) is None
+    assert step(planner).loads == () and len(planner) == 0
+    assert step(planner, Scheduled("a", 0, 12, block_ids=[4, 5, 6])).saves == () and len(planner) == 0
 
 
 def test_bad_configuration_is_refused() -> None:
@@ -246,7 +269,7 @@ class PlannerMachine(RuleBasedStateMachine):
         table = list(range(self.next_block, self.next_block + len(hashes) + 1))
         self.next_block += len(table)
         self.planner.allocated(rid, table, got)
-        for run in self.planner.take_loads()[0]:
+        for run in step(self.planner).loads:
             assert run.request_id == rid
             first = computed // BS
             assert run.hashes == tuple(hashes[first : first + len(run.hashes)])
@@ -260,9 +283,10 @@ class PlannerMachine(RuleBasedStateMachine):
         req = self.requests[rid]
         table = req["table"] if "scheduled" not in req else None
         req["scheduled"] = True
-        run = self.planner.scheduled(rid, req["done"], tokens, block_ids=table)
+        plan = step(self.planner, Scheduled(rid, req["done"], tokens, block_ids=table))
+        self.planner.confirm({s: () for s in range(1, plan.step + 1)})  # every load landed sound
         req["done"] += tokens
-        if run is not None:
+        for run in plan.saves:
             for h, b in zip(run.hashes, run.block_ids, strict=True):
                 position = self.hashes.index(h)
                 assert position < min(len(req["hashes"]), req["done"] // BS)

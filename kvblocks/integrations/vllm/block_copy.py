@@ -145,6 +145,22 @@ class LayerBlocks:
         for layer, host in enumerate(cast(list[np.ndarray], self._host)):
             target[layer * per : (layer + 1) * per] = host[b].reshape(-1)
 
+    def poison(self, block_ids: Sequence[int]) -> None:
+        """Fill ``block_ids`` of every layer with 0xFF bytes: NaN in every float format (float32, float16, bfloat16,
+        float8 e4m3 and e5m2), so KV that failed to load can never be read as KV -- whatever attends to it turns
+        NaN, and nothing computed over it passes for sound. (An integer KV cache reads it as -1.)"""
+        ids = self._checked(block_ids)
+        if not ids:
+            return
+        if self._host is not None:
+            for host in self._host:
+                for b in ids:
+                    host[b].fill(0xFF)
+            return
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        for tensor in self._tensors:
+            tensor.view(torch.uint8).index_fill_(0, index, 0xFF)
+
     def read(self, block_ids: Sequence[int]) -> list[memoryview]:
         """The payloads of ``block_ids``, copied out of the tensors now (the blocks may be reused at once).
 

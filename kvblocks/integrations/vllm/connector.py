@@ -2,20 +2,27 @@
 
 vLLM builds one connector in its scheduler and one in every worker; each half has one job::
 
-    scheduler (no I/O)                                  worker (owns the KV tensors)
-    get_num_new_matched_tokens -> TransferPlanner.match   start_load_kv -> load_run (read straight into the blocks)
-    update_state_after_alloc   -> TransferPlanner.allocated   (what fails: get_block_ids_with_load_errors)
-    build_connector_meta       -> StepPlan (loads, saves) --> wait_for_save -> save_run (entries built in place)
-    request_finished           -> TransferPlanner.finished                      (copied now, written off-thread)
+    scheduler (no I/O, TransferPlanner)                  worker (owns the KV tensors, ConnectorWorker)
+    get_num_new_matched_tokens -> match                    start_load_kv -> load (straight into the blocks;
+    update_state_after_alloc   -> allocated                                  what fails is poisoned, reported)
+    build_connector_meta       -> plan_step: StepPlan ---> wait_for_save -> save (entries built in place,
+    update_connector_output    <- confirm <--- report --   build_connector_worker_meta    written off-thread)
+    request_finished           -> finished
 
 * A hit is the leading run of whole blocks the storage index knows past vLLM's local hit; an
   unknown block is probed off-thread while vLLM asks again (``None``), never read on the scheduler.
-* A load that finds an entry missing, corrupt, of another format or written under another key is a
-  counted miss: its block ids (and the rest of the run) go to vLLM's load-error hook and vLLM
+* A load that finds an entry missing, corrupt or written under another key is a counted miss: its
+  block ids (and the rest of the run) are filled with NaN and go to vLLM's load-error hook, and vLLM
   recomputes them. Nothing a store returns reaches the KV unchecked, and no exception reaches vLLM.
 * Saves copy a step's newly filled blocks out of the KV tensors in ``wait_for_save`` -- before vLLM can
   reuse them, so preemption and abort need nothing more -- and hand the bytes to the background writer,
   whose bounded queue drops its oldest entry when full instead of waiting.
+* A block whose context held a failed load is never saved: the forward pass of the step that loaded it
+  has read it already (for every request that shares it), and vLLM's recomputation comes a step later.
+  Each save carries the loads of unknown outcome it depends on; the worker withholds it if one failed
+  (:mod:`~kvblocks.integrations.vllm.provenance`), and the block is saved once recomputed.
+* The counters reach vLLM's stats (its "KV Transfer metrics" log line, ``kvblocks_connector_*`` on its
+  Prometheus endpoint; :mod:`~kvblocks.integrations.vllm.stats`).
 * Keys are vLLM's own block hashes under a key space naming the model, the hash algorithm, the block
   size and the KV format (:class:`~kvblocks.integrations.vllm.kv_format.VllmKVFormat`); each
   tensor-parallel rank stores its shard under its own key.
@@ -27,31 +34,37 @@ Load failures are recomputed only with ``kv_load_failure_policy="recompute"``: t
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvblocks.backends.spec import DTYPE_SIZES
 from kvblocks.errors import ConfigError
 from kvblocks.hashing import Namespace
 from kvblocks.integrations.vllm.kv_format import VllmKVFormat
-from kvblocks.integrations.vllm.planner import BlockRun, StepPlan, TransferPlanner
+from kvblocks.integrations.vllm.planner import Scheduled, StepPlan, TransferPlanner
 from kvblocks.integrations.vllm.settings import ConnectorSettings
-from kvblocks.integrations.vllm.transfer import load_run, save_run
+from kvblocks.integrations.vllm.stats import COUNTERS, KVBlocksConnectorStats, KVBlocksPromMetrics
+from kvblocks.integrations.vllm.worker import ConnectorStats, ConnectorWorker, Reduce, WorkerReport
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.storage_tier import StorageTier
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from kvblocks.integrations.vllm.block_copy import LayerBlocks
-
-__all__ = ["ConnectorStats", "KVBlocksConnector", "KVBlocksConnectorMetadata", "describe_format"]
+__all__ = [
+    "ConnectorStats",
+    "KVBlocksConnector",
+    "KVBlocksConnectorMetadata",
+    "KVBlocksWorkerMetadata",
+    "describe_format",
+]
 
 _log = logging.getLogger("kvblocks.integrations.vllm")
 
@@ -63,20 +76,17 @@ class KVBlocksConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.plan = plan
 
 
-@dataclass
-class ConnectorStats:
-    """What one connector half did (counts of blocks)."""
+class KVBlocksWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """One step's :class:`WorkerReport`, from the workers to the scheduler (vLLM merges the ranks' with
+    :meth:`aggregate`)."""
 
-    load_blocks: int = 0
-    load_failed_blocks: int = 0
-    save_blocks: int = 0
-    save_failed_blocks: int = 0
-    plan_errors: int = 0
-    errors: list[str] = field(default_factory=list)
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
 
-    def note_error(self, what: str) -> None:
-        if len(self.errors) < 32:
-            self.errors.append(what)
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVBlocksWorkerMetadata):
+            return KVBlocksWorkerMetadata(self.report.merged(other.report))
+        return self
 
 
 def describe_format(vllm_config: Any, kv_cache_config: Any, salt: str | None) -> VllmKVFormat:
@@ -139,9 +149,12 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         self.format = describe_format(vllm_config, kv_cache_config, self.settings.salt)
-        self.stats = ConnectorStats()
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
+        self._cache_hit_source = (
+            CacheHitSource.DISK if self.settings.storage == "file" else (CacheHitSource.EXTERNAL_UNSPECIFIED)
+        )
+        reduce: Reduce | None = None
         if self._is_scheduler:
             ranks: tuple[int, ...] = tuple(range(tp)) if tp > 1 else ()
             if transfer.kv_load_failure_policy != "recompute":
@@ -151,6 +164,7 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             ranks = (int(get_tensor_model_parallel_rank()),) if tp > 1 else ()
+            reduce = _tp_reduce() if tp > 1 else None
         fmt = self.format
         self.tier = StorageTier(
             TierConfig(
@@ -166,8 +180,13 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
             writer_on_demand=self._is_scheduler,  # the scheduler's half never saves: no writer thread
         )
         self.planner = TransferPlanner(self.tier, fmt.block_size, lookup_timeout_s=self.settings.lookup_timeout_s)
-        self.blocks: LayerBlocks | None = None
-        self._load_errors: set[int] = set()
+        self.worker = ConnectorWorker(self.tier, reduce=reduce)
+        self._published: dict[str, int] = {}
+
+    @property
+    def stats(self) -> ConnectorStats:
+        """This half's counters (the worker's loads and saves; the scheduler's plan errors)."""
+        return self.worker.stats
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -194,49 +213,22 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.planner.fail(block_ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBlocksConnectorMetadata:
-        saves: list[BlockRun] = []
         try:
-            saves = self._plan_saves(scheduler_output)
-        except Exception as error:  # saves are optional: a bad plan costs future misses, never wrong KV
-            self._plan_error("saves", error)
-        loads, failed = self.planner.take_loads()
-        return KVBlocksConnectorMetadata(StepPlan(loads, tuple(saves), failed))
-
-    def _plan_saves(self, out: Any) -> list[BlockRun]:
-        planner = self.planner
-        for request_id in out.preempted_req_ids or ():
-            planner.preempted(request_id)
-        scheduled = out.num_scheduled_tokens
-        drafts = out.scheduled_spec_decode_tokens or {}
-        saves: list[BlockRun] = []
-
-        def real(request_id: str) -> int:
-            return int(scheduled.get(request_id, 0)) - len(drafts.get(request_id, ()))
-
-        for new in out.scheduled_new_reqs:
-            run = planner.scheduled(new.req_id, new.num_computed_tokens, real(new.req_id), block_ids=new.block_ids[0])
-            if run is not None:
-                saves.append(run)
-        cached = out.scheduled_cached_reqs
-        resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
-        for i, request_id in enumerate(cached.req_ids):
-            groups = cached.new_block_ids[i]
-            fresh = groups[0] if groups else []
-            # a resumed request's new block ids are its whole table; a running one's extend it
-            table, more = (fresh, ()) if request_id in resumed else (None, fresh)
-            computed = cached.num_computed_tokens[i]
-            run = planner.scheduled(request_id, computed, real(request_id), block_ids=table, new_block_ids=more)
-            if run is not None:
-                saves.append(run)
-        return saves
+            return KVBlocksConnectorMetadata(self.planner.plan_step(*_step_of(scheduler_output)))
+        except Exception as error:  # no saves this step (future misses); the loads still run
+            self._plan_error("step", error)
+            return KVBlocksConnectorMetadata(self.planner.salvage())
 
     def update_connector_output(self, connector_output: Any) -> None:
-        failed = getattr(connector_output, "invalid_block_ids", None)
-        if failed:
-            try:
+        try:
+            failed = getattr(connector_output, "invalid_block_ids", None)
+            if failed:
                 self.planner.load_failed(failed)
-            except Exception as error:  # a stale index costs misses, never wrong KV
-                self._plan_error("load_failed", error)
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(meta, KVBlocksWorkerMetadata):
+                self.planner.confirm(meta.report.failed, meta.report.withheld)
+        except Exception as error:  # a stale index costs misses; an unconfirmed load, saves: never wrong KV
+            self._plan_error("outcome", error)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.planner.finished(request.request_id)
@@ -259,27 +251,16 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"vLLM registered {len(blocks.layer_names)} layers of {blocks.bytes_per_layer_block} bytes per block; "
                 f"the KV cache config says {fmt.num_layers} of {fmt.bytes_per_layer_block}"
             )
-        self.blocks = blocks
+        self.worker.blocks = blocks
+
+    @property
+    def blocks(self) -> Any:
+        return self.worker.blocks
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._plan()
-        if meta is None:
-            return
-        self._load_errors.update(meta.failed)
-        self.stats.load_failed_blocks += len(meta.failed)
-        for run in meta.loads:
-            failed: tuple[int, ...] = run.block_ids
-            try:
-                if self.blocks is None:
-                    raise ConfigError("no KV caches registered")
-                usable = load_run(self.tier, self.blocks, run.hashes, run.block_ids)
-                failed = run.block_ids[usable:]
-            except Exception as error:  # every block of the run is recomputed
-                self.stats.note_error(f"load: {error!r}")
-                _log.exception("kvblocks connector: loading %d blocks failed", len(run.block_ids))
-            self.stats.load_blocks += len(run.block_ids) - len(failed)
-            self.stats.load_failed_blocks += len(failed)
-            self._load_errors.update(failed)
+        plan = self._plan()
+        if plan is not None:
+            self.worker.load(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -288,21 +269,34 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return  # whole blocks are saved in wait_for_save
 
     def wait_for_save(self) -> None:
-        meta = self._plan()
-        if meta is None or self.blocks is None:
-            return
-        for run in meta.saves:
-            try:
-                save_run(self.tier, self.blocks, run.hashes, run.block_ids)
-                self.stats.save_blocks += len(run.block_ids)
-            except Exception as error:  # a save that fails is a future miss
-                self.stats.save_failed_blocks += len(run.block_ids)
-                self.stats.note_error(f"save: {error!r}")
-                _log.exception("kvblocks connector: saving %d blocks failed", len(run.block_ids))
+        plan = self._plan()
+        if plan is not None:
+            self.worker.save(plan)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVBlocksWorkerMetadata | None:
+        report = self.worker.report()
+        return None if report is None else KVBlocksWorkerMetadata(report)
+
+    def get_kv_connector_stats(self) -> KVBlocksConnectorStats | None:
+        """What changed since the last call (vLLM sums them per logging interval and across ranks)."""
+        now = self.stats.counters() if self._is_scheduler else self.worker.counters()
+        changed = {name: value - self._published.get(name, 0) for name, value in now.items() if name in COUNTERS}
+        self._published = now
+        changed = {name: value for name, value in changed.items() if value}
+        return KVBlocksConnectorStats(data=changed) if changed else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBlocksConnectorStats:
+        return KVBlocksConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any
+    ) -> KVBlocksPromMetrics:
+        return KVBlocksPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():
@@ -312,3 +306,53 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self.tier.close()
+
+
+def _step_of(out: Any) -> tuple[list[Scheduled], tuple[str, ...]]:
+    """vLLM's scheduler output as the planner's plain records: running requests, then new ones (their order)."""
+    scheduled = out.num_scheduled_tokens
+    drafts = out.scheduled_spec_decode_tokens or {}
+    cached = out.scheduled_cached_reqs
+    resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
+    records: list[Scheduled] = []
+    for i, request_id in enumerate(cached.req_ids):
+        groups = cached.new_block_ids[i]
+        fresh = list(groups[0]) if groups else []
+        # a resumed request's new block ids are its whole table; a running one's extend it
+        records.append(
+            Scheduled(
+                request_id,
+                cached.num_computed_tokens[i],
+                int(scheduled.get(request_id, 0)),
+                len(drafts.get(request_id, ())),
+                block_ids=fresh if request_id in resumed else None,
+                new_block_ids=() if request_id in resumed else fresh,
+            )
+        )
+    for new in out.scheduled_new_reqs:
+        records.append(
+            Scheduled(
+                new.req_id,
+                new.num_computed_tokens,
+                int(scheduled.get(new.req_id, 0)),
+                len(drafts.get(new.req_id, ())),
+                block_ids=list(new.block_ids[0]),
+            )
+        )
+    return records, tuple(out.preempted_req_ids or ())
+
+
+def _tp_reduce() -> Reduce:
+    """The element-wise maximum of 0/1 flags across this worker's tensor-parallel group (its CPU group)."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group().cpu_group
+
+    def reduce(flags: list[int]) -> list[int]:
+        tensor = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        return [int(v) for v in tensor.tolist()]
+
+    return reduce

@@ -15,13 +15,17 @@ values (hashes, token counts, block ids), so every rule is tested without an eng
                                                      (22 - 1) // 4 = 5 blocks can ever be loaded
 
 * **allocated** (``update_state_after_alloc``): the blocks vLLM gave for the matched tokens become a load.
-  A load the workers report failed (``update_connector_output``'s invalid block ids, :meth:`load_failed`)
-  makes the index forget those hashes -- the store does not hold them usable -- and the blocks vLLM
-  recomputes in their place are saved again.
-* **step** (``build_connector_meta``): each scheduled request's blocks that this step's forward pass
-  fills are saved -- only whole blocks whose tokens are all real (drafts excluded), each once, and
-  never one the index already knows is stored (a loaded block, one saved before) or one planned for
-  saving lately (requests sharing a prefix fill the same blocks in the same step).
+* **step** (``build_connector_meta``, :meth:`TransferPlanner.plan_step`): the step's loads, and each
+  scheduled request's blocks that this step's forward pass fills, to save -- only whole blocks whose
+  tokens are all real (drafts excluded), each once, never one the index already knows is stored (a
+  loaded block, one saved before) or one planned for saving lately (requests sharing a prefix fill the
+  same blocks in the same step), and never one whose context holds a failed load
+  (:mod:`~kvblocks.integrations.vllm.provenance`): a save that depends on loads whose outcome is not
+  known yet carries them as its guard, and the worker drops it if one failed.
+* **outcome** (``update_connector_output``, :meth:`TransferPlanner.confirm`): the worker reports which
+  loads failed and which saves it dropped. Failed hashes leave the index (the store does not hold them
+  usable), the blocks computed over them are bad until vLLM recomputes them, and the recomputed blocks
+  are saved then.
 
 What crosses to the workers is a :class:`StepPlan`: runs of (hash, block id) to load before the
 forward pass and to save after it.
@@ -31,14 +35,19 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvblocks.errors import ConfigError, InvalidArgumentError
 from kvblocks.hashing import BlockHash
+from kvblocks.integrations.vllm.provenance import BAD, BlockProvenance, Root
 
-__all__ = ["BlockRun", "StepPlan", "StorageIndex", "TransferPlanner"]
+__all__ = ["BlockRun", "Scheduled", "StepPlan", "StorageIndex", "TransferPlanner"]
+
+EXPIRE_STEPS = 64
+"""Steps a load's outcome may stay unreported before the planner takes it for failed (a lost report must
+cost misses, never wrong KV)."""
 
 
 class StorageIndex(Protocol):
@@ -57,33 +66,104 @@ class StorageIndex(Protocol):
 
 @dataclass(frozen=True)
 class BlockRun:
-    """Blocks of one request to move: ``hashes[i]`` is the content of vLLM block ``block_ids[i]``."""
+    """Blocks of one request to move: ``hashes[i]`` is the content of vLLM block ``block_ids[i]``.
+
+    A save's ``guards[i]`` (when given) are the loads block ``i``'s context depends on whose outcome the
+    scheduler did not know when it planned the save; the worker saves block ``i`` only if none failed.
+    """
 
     request_id: str
     hashes: tuple[BlockHash, ...]
     block_ids: tuple[int, ...]
+    guards: tuple[frozenset[Root], ...] = ()
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """One step's transfers: loads before the forward pass, saves after it; ``failed`` are block ids vLLM
-    expects loaded that no load will fill (the worker reports them as load errors, so vLLM recomputes)."""
+    expects loaded that no load will fill (the worker reports them as load errors, so vLLM recomputes).
+
+    ``step`` numbers the plan (loads are named by it, see :data:`~kvblocks.integrations.vllm.provenance.Root`);
+    the worker may forget the outcomes of steps before ``oldest_pending``: no guard names them any more.
+    """
 
     loads: tuple[BlockRun, ...] = ()
     saves: tuple[BlockRun, ...] = ()
     failed: tuple[int, ...] = ()
+    step: int = 0
+    oldest_pending: int = 0
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One request in a step, as vLLM's scheduler output has it (plain values)."""
+
+    request_id: str
+    num_computed: int
+    """Tokens whose KV exists before this step (local and external hits included)."""
+    num_new: int
+    """Tokens this step's forward pass computes, speculative drafts included."""
+    num_drafts: int = 0
+    """Of ``num_new``, the drafts: their KV is written, but they may be rejected, so never saved."""
+    block_ids: Sequence[int] | None = None
+    """The request's whole block table, for a new or resumed request (else None)."""
+    new_block_ids: Sequence[int] = ()
+    """Blocks appended to a running request's table this step."""
 
 
 class _Tracked:
     """One request the planner follows, from its match to its end."""
 
-    __slots__ = ("block_ids", "hashes", "matched_from", "num_saved")
+    __slots__ = ("block_ids", "context", "end", "hashes", "matched_from", "num_saved")
 
     def __init__(self, hashes: Sequence[BlockHash]) -> None:
         self.hashes = hashes  # the request's own list: it grows as tokens are generated
         self.block_ids: list[int] = []
         self.num_saved = 0  # blocks [0, num_saved) are stored, being saved, or were skipped as stored
         self.matched_from: int | None = None  # the num_computed_tokens of the last answered match
+        self.end = 0  # tokens computed once the last scheduled step ran
+        self.context: _Context | None = None  # the provenance of its table's leading blocks, as last scanned
+
+
+class _Context:
+    """The provenance of a request's leading blocks ``[0, stop)`` as scanned at provenance epoch ``epoch``:
+    ``marks`` are (position, roots of every block up to it) where those roots grow."""
+
+    __slots__ = ("epoch", "marks", "stop")
+
+    def __init__(self, epoch: int, stop: int, marks: list[tuple[int, frozenset[Root]]]) -> None:
+        self.epoch = epoch
+        self.stop = stop
+        self.marks = marks
+
+    def roots_through(self, position: int) -> frozenset[Root]:
+        """Every root of the blocks at positions ``<= position`` (empty: all clean)."""
+        roots: frozenset[Root] = frozenset()
+        for at, cumulative in self.marks:
+            if at > position:
+                break
+            roots = cumulative
+        return roots
+
+    @property
+    def roots(self) -> frozenset[Root]:
+        return self.marks[-1][1] if self.marks else frozenset()
+
+
+class _Work:
+    """One scheduled request's place in a step: the blocks its forward pass reads and writes."""
+
+    __slots__ = ("entered", "read_stop", "request", "tracked", "write_start", "write_stop")
+
+    def __init__(self, request: Scheduled, tracked: _Tracked, block_size: int, entered: bool) -> None:
+        computed = request.num_computed
+        end = computed + request.num_new
+        self.request = request
+        self.tracked = tracked
+        self.entered = entered  # new or resumed this step: its table came from vLLM's prefix cache now
+        self.write_start = computed // block_size
+        self.write_stop = min(len(tracked.block_ids), -(-end // block_size))
+        self.read_stop = self.write_start + (1 if computed % block_size else 0)  # a part-filled block is read
 
 
 class TransferPlanner:
@@ -104,19 +184,23 @@ class TransferPlanner:
             raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
         if isinstance(lookup_timeout_s, bool) or not isinstance(lookup_timeout_s, int | float) or lookup_timeout_s < 0:
             raise ConfigError(f"lookup_timeout_s must be a number >= 0, got {lookup_timeout_s!r}")
+        if isinstance(recent_saves, bool) or not isinstance(recent_saves, int) or recent_saves < 0:
+            raise ConfigError(f"recent_saves must be an int >= 0, got {recent_saves!r}")
         self.index = index
         self.block_size = block_size
         self.lookup_timeout_s = float(lookup_timeout_s)
         self._clock = clock
+        self._recent_saves = recent_saves
         self._requests: dict[Hashable, _Tracked] = {}
         self._probes: dict[Hashable, tuple[int, float]] = {}  # request -> (probe id, deadline)
         self._loads: list[BlockRun] = []
         self._failed: list[int] = []
         self._planned: OrderedDict[BlockHash, None] = OrderedDict()  # hashes lately planned for saving
         self._loading: dict[int, tuple[Hashable, int]] = {}  # block id -> (request, position) of its last load
-        if isinstance(recent_saves, bool) or not isinstance(recent_saves, int) or recent_saves < 0:
-            raise ConfigError(f"recent_saves must be an int >= 0, got {recent_saves!r}")
-        self._recent_saves = recent_saves
+        self.provenance = BlockProvenance()
+        self._step = 0
+        self._undelivered: tuple[tuple[BlockRun, ...], tuple[int, ...]] = ((), ())
+        self._pending: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # step -> its loads' blocks, unreported
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -184,48 +268,205 @@ class TransferPlanner:
             self._loading[block] = (request_id, position)
         tracked.num_saved = max(tracked.num_saved, stop)  # loaded blocks are stored already
 
+    def fail(self, block_ids: Sequence[int]) -> None:
+        """vLLM expects ``block_ids`` loaded but no load was planned (a plan that went wrong): they are
+        reported as load errors, so vLLM recomputes them rather than reading whatever they hold."""
+        self._failed.extend(int(b) for b in block_ids)
+
     # ------------------------------------------------------------------ steps
 
-    def scheduled(
+    def plan_step(
         self,
-        request_id: str,
-        num_computed: int,
-        num_new_tokens: int,
-        *,
-        block_ids: Sequence[int] | None = None,
-        new_block_ids: Sequence[int] = (),
-        hashes: Sequence[BlockHash] | None = None,
-    ) -> BlockRun | None:
-        """The request runs ``num_new_tokens`` real tokens (drafts left out) after ``num_computed`` this
-        step; return the blocks to save after it. ``block_ids`` replaces its table (a new or resumed
-        request), ``new_block_ids`` extends it; ``hashes`` introduces a request the planner never matched."""
-        tracked = self._requests.get(request_id)
+        scheduled: Sequence[Scheduled],
+        preempted: Iterable[str] = (),
+        hashes: Mapping[str, Sequence[BlockHash]] | None = None,
+    ) -> StepPlan:
+        """The plan of the step vLLM just scheduled: the loads allocated since the last plan, and the saves of
+        the blocks its forward pass fills (see the module docstring).
+
+        ``scheduled`` lists running requests before new ones, as vLLM schedules them (a new request can hit a
+        block an earlier one fills in the same step); ``preempted`` requests lost their blocks first;
+        ``hashes`` introduces requests the planner never matched (their hash lists).
+        """
+        for request_id in preempted:
+            self.preempted(request_id)
+        self._step += 1
+        step = self._step
+        loads, self._loads = tuple(self._loads), []
+        failed, self._failed = tuple(self._failed), []
+        self._undelivered = (loads, failed)
+        provenance = self.provenance
+        if loads:
+            blocks = tuple(b for run in loads for b in run.block_ids)
+            provenance.loaded(step, blocks)
+            self._pending[step] = blocks
+        if failed:
+            provenance.failed(failed)
+        self._expire(step)
+        epoch = provenance.epoch
+        named = hashes or {}
+        work = [w for request in scheduled if (w := self._enter(request, named.get(request.request_id))) is not None]
+        if not provenance.clean:
+            self._trace(work, rescan_all=provenance.epoch != epoch)
+        saves = [run for w in work if (run := self._saves(w)) is not None]
+        self._undelivered = ((), ())
+        return StepPlan(loads, tuple(saves), failed, step, next(iter(self._pending), step + 1))
+
+    def salvage(self) -> StepPlan:
+        """The plan to send when :meth:`plan_step` raised (a bug, or a scheduler output it could not read): the
+        step's loads and failures, no saves -- and, since what this step writes is not known, every block of
+        every request is taken for bad until rewritten (saves resume as vLLM recomputes or hands out blocks)."""
+        loads, failed = self._undelivered
+        self._undelivered = ((), ())
+        if not loads and not failed:
+            loads, self._loads = tuple(self._loads), []
+            failed, self._failed = tuple(self._failed), []
+        self.provenance.failed(b for tracked in self._requests.values() for b in tracked.block_ids)
+        self.provenance.epoch += 1
+        step = self._step = self._step + 1
+        return StepPlan(loads, (), failed, step, next(iter(self._pending), step + 1))
+
+    def _enter(self, request: Scheduled, hashes: Sequence[BlockHash] | None) -> _Work | None:
+        """Update ``request``'s table and note which of its blocks vLLM handed out new (None: a request the
+        planner does not follow -- never matched, no hashes given)."""
+        tracked = self._requests.get(request.request_id)
         if tracked is None:
             if hashes is None:
                 return None
-            tracked = self._requests[request_id] = _Tracked(hashes)
-        if block_ids is not None:
-            tracked.block_ids = [int(b) for b in block_ids]
-        tracked.block_ids.extend(int(b) for b in new_block_ids)
-        full = min(len(tracked.hashes), (num_computed + num_new_tokens) // self.block_size, len(tracked.block_ids))
+            tracked = self._requests[request.request_id] = _Tracked(hashes)
+        size = self.block_size
+        entered = request.block_ids is not None
+        if entered:
+            tracked.block_ids = [int(b) for b in request.block_ids or ()]
+            fresh: Sequence[int] = tracked.block_ids[-(-request.num_computed // size) :]
+        else:
+            fresh = [int(b) for b in request.new_block_ids]
+            tracked.block_ids.extend(fresh)
+        self.provenance.fresh(fresh)
+        if request.num_computed < tracked.end and not entered:
+            self.provenance.epoch += 1  # it recomputes blocks it had computed: others may hold them
+        tracked.end = request.num_computed + request.num_new
+        return _Work(request, tracked, size, entered)
+
+    def _trace(self, work: list[_Work], *, rescan_all: bool) -> None:
+        """Give every block this step writes the roots of its writer's context (see the provenance module).
+
+        Running requests come first, then the ones that entered this step, in order: a request can hit a block
+        in vLLM's prefix cache that an earlier one fills in this very step (each layer's KV is written before
+        it is attended to). vLLM's two lists do not keep the scheduling order between new and resumed
+        requests, and a request recomputing its blocks (``rescan_all``) rewrites blocks others hold: those
+        are scanned again while one read a block written after it, until nothing changes.
+        """
+        written: dict[int, int] = {}  # block -> index of the last work item that wrote it this step
+        for i, w in enumerate(work):
+            self._write(w, written, i, rescan=w.entered or rescan_all)
+        rescanned = [i for i, w in enumerate(work) if w.entered or rescan_all]
+        for _ in range(len(rescanned)):
+            changed = False
+            for i in rescanned:
+                w = work[i]
+                if any(written.get(b, -1) > i for b in w.tracked.block_ids[: w.read_stop]):
+                    before = w.tracked.context.roots if w.tracked.context is not None else frozenset()
+                    changed |= self._write(w, written, i, rescan=True) != before
+            if not changed:
+                return
+        for w in work:  # no fixed point in as many rounds as there are entries: a cycle; take the worst
+            self.provenance.wrote(w.tracked.block_ids[w.write_start : w.write_stop], frozenset({BAD}))
+
+    def _write(self, w: _Work, written: dict[int, int], i: int, *, rescan: bool) -> frozenset[Root]:
+        """Scan ``w``'s context and give the blocks it writes its roots; returns them."""
+        roots = self._context(w.tracked, w.read_stop, rescan=rescan).roots
+        blocks = w.tracked.block_ids[w.write_start : w.write_stop]
+        self.provenance.wrote(blocks, roots)
+        for b in blocks:
+            written[b] = i
+        return roots
+
+    def _context(self, tracked: _Tracked, stop: int, *, rescan: bool = False) -> _Context:
+        """The provenance of ``tracked``'s blocks ``[0, stop)``; a clean scan from an earlier step is extended
+        rather than repeated (blocks in a clean context change only when rewritten, which bumps the epoch)."""
+        provenance = self.provenance
+        table = tracked.block_ids
+        cached = tracked.context
+        if (
+            not rescan
+            and cached is not None
+            and not cached.marks
+            and cached.epoch == provenance.epoch
+            and cached.stop <= stop
+        ):
+            start = cached.stop
+        else:
+            start = 0
+        marks: list[tuple[int, frozenset[Root]]] = []
+        cumulative: frozenset[Root] = frozenset()
+        for position, roots in provenance.tainted_positions(table, start, stop):
+            if not roots <= cumulative:
+                cumulative = cumulative | roots
+                marks.append((position, cumulative))
+        context = tracked.context = _Context(provenance.epoch, stop, marks)
+        return context
+
+    def _saves(self, w: _Work) -> BlockRun | None:
+        """The blocks of ``w``'s request to save after this step: whole, real, not stored, not planned lately,
+        not over a bad context; each with its guard where its context awaits a load's outcome."""
+        tracked, request = w.tracked, w.request
+        real_end = request.num_computed + request.num_new - request.num_drafts
+        full = min(len(tracked.hashes), real_end // self.block_size, len(tracked.block_ids))
         start = tracked.num_saved
         if full <= start:
             return None
-        tracked.num_saved = full
+        context = None if self.provenance.clean else tracked.context  # scanned by _trace this step
         is_known = self.index.is_known
         planned = self._planned
-        picked = [
-            (h, tracked.block_ids[i])
-            for i, h in enumerate(tracked.hashes[start:full], start)
-            if h not in planned and not is_known(h)
-        ]
+        picked: list[tuple[BlockHash, int, frozenset[Root]]] = []
+        stop = full
+        for i in range(start, full):
+            roots = frozenset() if context is None else context.roots_through(min(i, w.read_stop - 1))
+            if context is not None and i >= w.write_start:
+                roots = context.roots  # written this step over the whole context
+            if BAD in roots:
+                stop = i  # saved once vLLM recomputes it over a clean context
+                break
+            h = tracked.hashes[i]
+            if h not in planned and not is_known(h):
+                picked.append((h, tracked.block_ids[i], roots))
+        tracked.num_saved = stop
         if not picked:
             return None
-        for h, _ in picked:
+        for h, _, _ in picked:
             planned[h] = None
         while len(planned) > self._recent_saves:
             planned.popitem(last=False)
-        return BlockRun(request_id, tuple(h for h, _ in picked), tuple(b for _, b in picked))
+        guards = tuple(roots for _, _, roots in picked) if any(roots for _, _, roots in picked) else ()
+        return BlockRun(request.request_id, tuple(h for h, _, _ in picked), tuple(b for _, b, _ in picked), guards)
+
+    # ------------------------------------------------------------------ outcomes
+
+    def confirm(self, failed: Mapping[int, Collection[int]], dropped: Iterable[tuple[str, BlockHash]] = ()) -> None:
+        """The workers' report: ``failed[step]`` are the block ids whose load in ``step`` failed (every step that
+        loaded is named, failures or not); ``dropped`` the saves they withheld (request id, hash)."""
+        for step, blocks in sorted(failed.items()):
+            self.provenance.confirm(step, blocks)
+            self._pending.pop(step, None)
+            if blocks:
+                self.load_failed(blocks)
+        for request_id, h in dropped:
+            self._planned.pop(h, None)
+            tracked = self._requests.get(request_id)
+            if tracked is None:
+                continue
+            for position, known in enumerate(tracked.hashes):
+                if known == h:
+                    tracked.num_saved = min(tracked.num_saved, position)
+                    break
+
+    def _expire(self, step: int) -> None:
+        """Loads whose outcome stayed unreported for :data:`EXPIRE_STEPS` steps count as failed (what depends
+        on them is never saved; the store's index keeps them, a later read checks them anyway)."""
+        pending = self._pending
+        while pending and (oldest := next(iter(pending))) <= step - EXPIRE_STEPS:
+            self.provenance.confirm(oldest, pending.pop(oldest))
 
     def load_failed(self, block_ids: Iterable[int]) -> int:
         """The workers could not load ``block_ids`` (vLLM recomputes them): the index forgets their hashes and
@@ -248,23 +489,13 @@ class TransferPlanner:
             self.index.forget(forgotten)
         return len(forgotten)
 
-    def fail(self, block_ids: Sequence[int]) -> None:
-        """vLLM expects ``block_ids`` loaded but no load was planned (a plan that went wrong): they are
-        reported as load errors, so vLLM recomputes them rather than reading whatever they hold."""
-        self._failed.extend(int(b) for b in block_ids)
-
-    def take_loads(self) -> tuple[tuple[BlockRun, ...], tuple[int, ...]]:
-        """The loads planned since the last call (they run before this step's forward pass), and the
-        block ids to report as failed loads (:meth:`fail`)."""
-        loads, self._loads = tuple(self._loads), []
-        failed, self._failed = tuple(self._failed), []
-        return loads, failed
-
     def preempted(self, request_id: str) -> None:
         """vLLM took the request's blocks back: its table is gone (what it saved stays saved)."""
         tracked = self._requests.get(request_id)
         if tracked is not None:
             tracked.block_ids = []
+            tracked.context = None
+            tracked.end = 0
         self._probes.pop(request_id, None)
 
     def finished(self, request_id: str) -> None:

@@ -1,0 +1,154 @@
+"""The connector's worker side (kvblocks.integrations.vllm.worker), without vLLM: a failed load is poisoned and
+reported; a save whose guard names a failed load is withheld; the report and the counters say so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from kvblocks.errors import ConfigError  # noqa: E402
+from kvblocks.integrations.vllm.block_copy import LayerBlocks  # noqa: E402
+from kvblocks.integrations.vllm.planner import BlockRun, StepPlan  # noqa: E402
+from kvblocks.integrations.vllm.worker import ConnectorWorker, LoadRecord, WorkerReport  # noqa: E402
+from kvblocks.tiers import FileStorage  # noqa: E402
+from tests.vllm_connector.test_transfer import HASHES, kv, payload_of, staged, tier_on  # noqa: E402
+
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("host", [True, False])
+def test_a_poisoned_block_is_nan_in_every_layer_and_its_neighbours_untouched(dtype: torch.dtype, host: bool) -> None:
+    buffer = torch.zeros((3, 6, 2, 4, 8), dtype=torch.float32).to(dtype)
+    layers = {f"model.layers.{i}.attn": buffer[i] for i in range(3)}
+    blocks = LayerBlocks(layers)
+    if not host:
+        blocks = staged(blocks)
+    blocks.poison([1, 4])
+    values = buffer.to(torch.float32)
+    assert torch.isnan(values[:, [1, 4]]).all()
+    assert (values[:, [0, 2, 3, 5]] == 0).all()
+
+
+@pytest.fixture
+def worker(tmp_path: Path):  # type: ignore[no-untyped-def]
+    tier = tier_on(FileStorage(tmp_path))
+    made = ConnectorWorker(tier)
+    made.blocks = LayerBlocks(kv(1))
+    yield made
+    tier.close()
+
+
+def _store(worker: ConnectorWorker, source: dict[str, torch.Tensor], hashes: list[bytes]) -> None:
+    worker.tier.save(hashes, [payload_of(source, b) for b in range(len(hashes))])
+    assert worker.tier.flush(5.0)
+
+
+def test_a_load_that_fails_is_poisoned_reported_once_and_confirmed(worker: ConnectorWorker) -> None:
+    source = kv(2)
+    _store(worker, source, HASHES)
+    (key,) = worker.tier.keys_of(HASHES[1])
+    worker.tier.backend.put([(key, b"damaged")])  # block 1 of the run will not load
+    plan = StepPlan(loads=(BlockRun("r", tuple(HASHES), (4, 5, 6, 7)),), step=3, oldest_pending=3)
+    worker.load(plan)
+    layers = worker.blocks._tensors  # type: ignore[union-attr]
+    assert payload_of(dict(zip(worker.blocks.layer_names, layers, strict=True)), 4) == payload_of(source, 0)  # type: ignore[union-attr]
+    assert all(torch.isnan(layer[b].float()).all() for layer in layers for b in (5, 6, 7))
+    assert worker.take_load_errors() == {5, 6, 7} and worker.take_load_errors() == set()
+    assert worker.report() == WorkerReport({3: frozenset({5, 6, 7})}) and worker.report() is None
+    assert worker.stats.load_blocks == 1 and worker.stats.load_failed_blocks == 3
+    assert worker.counters()["loads_corrupt"] == 1
+
+
+def test_a_step_whose_loads_all_land_is_still_confirmed(worker: ConnectorWorker) -> None:
+    _store(worker, kv(2), HASHES[:2])
+    worker.load(StepPlan(loads=(BlockRun("r", tuple(HASHES[:2]), (0, 1)),), step=8, oldest_pending=8))
+    assert worker.report() == WorkerReport({8: frozenset()}) and worker.take_load_errors() == set()
+    worker.load(StepPlan(step=9, oldest_pending=10))  # no loads: nothing to confirm
+    assert worker.report() is None
+
+
+def test_a_save_guarded_by_a_failed_load_is_withheld_from_that_block_on(worker: ConnectorWorker) -> None:
+    worker.load(StepPlan(loads=(BlockRun("r", (b"\x09" * 32,), (0,)),), step=5, oldest_pending=5))  # absent: fails
+    assert worker.take_load_errors() == {0}
+    clean, guarded = frozenset(), frozenset({(5, 0)})
+    other_load = frozenset({(5, 3)})  # a load of this step that did not fail (none was planned into 3: unknown)
+    plan = StepPlan(
+        saves=(
+            BlockRun("r", tuple(HASHES[:3]), (1, 2, 3), (clean, guarded, guarded)),
+            BlockRun("s", (HASHES[3],), (4,)),
+        ),
+        step=5,
+        oldest_pending=5,
+    )
+    worker.save(plan)
+    assert worker.tier.flush(5.0)
+    assert [worker.tier.read_into([h], [worker.blocks.views(7)]) for h in HASHES] == [1, 0, 0, 1]  # type: ignore[union-attr]
+    assert worker.stats.save_blocks == 2 and worker.stats.save_withheld_blocks == 2
+    report = worker.report()
+    assert report is not None and report.withheld == (("r", HASHES[1]), ("r", HASHES[2]))
+    assert LoadRecord().failed_roots(other_load) == {(5, 3)}  # a step never noted: taken for failed
+
+
+def test_a_guard_of_loads_that_landed_saves_and_an_unregistered_worker_does_nothing(worker: ConnectorWorker) -> None:
+    _store(worker, kv(3), HASHES[:1])
+    worker.load(StepPlan(loads=(BlockRun("r", (HASHES[0],), (0,)),), step=2, oldest_pending=2))
+    plan = StepPlan(saves=(BlockRun("r", (HASHES[1],), (1,), (frozenset({(2, 0)}),)),), step=2, oldest_pending=2)
+    worker.save(plan)
+    assert worker.stats.save_blocks == 1 and worker.stats.save_withheld_blocks == 0
+    idle = ConnectorWorker(worker.tier)
+    idle.load(StepPlan(loads=(BlockRun("r", (HASHES[0],), (0,)),), step=1, oldest_pending=1))
+    assert idle.take_load_errors() == {0} and idle.stats.errors  # nothing registered: every block recomputed
+
+
+def test_the_record_forgets_confirmed_steps_and_takes_unknown_ones_for_failed() -> None:
+    record = LoadRecord(keep_steps=2)
+    record.note(1, [4])
+    record.note(2, [])
+    assert record.failed_roots([(1, 4), (1, 5), (2, 4)]) == {(1, 4)}
+    record.note(3, [])  # keeps two steps: step 1 is gone
+    assert record.failed_roots([(1, 5), (3, 1)]) == {(1, 5)}
+    record.forget_before(3)
+    assert record.failed_roots([(2, 4), (3, 1)]) == {(2, 4)}
+    with pytest.raises(ConfigError):
+        LoadRecord(keep_steps=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    failed=st.lists(st.sets(st.integers(0, 5)), min_size=2, max_size=4),
+    roots=st.sets(st.tuples(st.just(1), st.integers(0, 5))),
+)
+def test_ranks_agree_a_load_failed_when_it_failed_on_any(failed: list[set[int]], roots: set[tuple[int, int]]) -> None:
+    """Tensor parallelism: each rank's record, combined by an element-wise maximum (what the TP group's all-reduce
+    computes), names exactly the roots that failed somewhere -- the same set on every rank."""
+    records = []
+    for blocks in failed:
+        record = LoadRecord()
+        record.note(1, blocks)
+        records.append(record)
+    flags_by_rank: list[list[int]] = []
+
+    def gather(flags: list[int]) -> list[int]:
+        flags_by_rank.append(flags)
+        return flags  # replaced below, once every rank has given its flags
+
+    for record in records:
+        record.failed_roots(roots, gather)
+    combined = [max(column) for column in zip(*flags_by_rank, strict=True)] if roots else []
+    verdicts = [record.failed_roots(roots, lambda _flags: combined) for record in records]
+    expected = {root for root in roots if any(root[1] in blocks for blocks in failed)}
+    assert all(verdict == expected for verdict in verdicts)
+
+
+def test_reports_of_two_ranks_merge_into_the_union() -> None:
+    a = WorkerReport({1: frozenset({2}), 2: frozenset()}, (("r", b"h1"),))
+    b = WorkerReport({1: frozenset({3}), 3: frozenset({9})}, (("r", b"h1"), ("s", b"h2")))
+    assert a.merged(b) == WorkerReport(
+        {1: frozenset({2, 3}), 2: frozenset(), 3: frozenset({9})}, (("r", b"h1"), ("s", b"h2"))
+    )

@@ -31,7 +31,8 @@ def _until(condition: Callable[[], bool], step: Callable[[], object], timeout_s:
 class RecordedEngine:
     """Serves a recorded stream as the engine did: live frames on PUB, a replay ROUTER over the frames
     'published' so far (the last ``buffer_steps``). ``advance(live=False)`` puts a frame in the buffer
-    without sending it live: a message the subscriber missed."""
+    without sending it live: a message the subscriber missed. While ``silent`` the ROUTER takes each
+    request (counted in ``requests``) and never answers."""
 
     def __init__(self, worker: dict[str, Any], topic: str) -> None:
         ctx = zmq.Context.instance()
@@ -46,6 +47,8 @@ class RecordedEngine:
         self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.next = 0
         self.requests: list[int] = []  # the start of every replay request served
+        self.silent = False  # take replay requests and never answer them
+        self.on_request: Callable[[], object] = lambda: None  # runs before each answer goes out
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -65,8 +68,11 @@ class RecordedEngine:
                 continue
             client, _, start = self.router.recv_multipart()
             self.requests.append(int.from_bytes(start, "big"))
+            if self.silent:
+                continue
             with self.lock:
                 frames = [f for f in self.buffer if int.from_bytes(f[1], "big") >= int.from_bytes(start, "big")]
+            self.on_request()
             for f in frames:
                 self.router.send_multipart([client, b"", *f])
             self.router.send_multipart([client, b"", b"", END_SEQ, b""])

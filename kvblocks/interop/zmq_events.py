@@ -35,11 +35,20 @@ Consuming::
 
 :meth:`ZmqEventSubscriber.receive` returns kvblocks batches numbered with the wire seq. On a gap (a seq that is
 not the last + 1, or a first message that is not seq 0: a late joiner) it asks the replay socket for the
-missing batches and delivers them in order, dropping the ones it already had. When the replay cannot fill the
-gap (the engine's buffer no longer reaches back, no replay socket, no answer in ``replay_timeout_s``), it
-delivers the first batch it does have as a *snapshot*: the router forgets what it knew of that worker and
-starts again from there -- it promises less than the worker holds, never more. A payload that does not decode
-is counted and handled the same way; an engine that restarts (seq 0 again) resets the worker too.
+missing batches and delivers them in order, dropping the ones it already had. A subscriber that has nothing
+yet and finds no live message waiting asks for everything from seq 0 at once (the *join*): a router that
+joins an idle engine learns what the engine still buffers without waiting for its next batch; an engine
+that never published answers with the end marker alone, and the subscriber waits for seq 0 live. When the
+replay cannot fill the gap (the engine's buffer no longer reaches back, no replay socket, no answer in
+``replay_timeout_s``), it delivers the first batch it does have as a *snapshot*: the router forgets what it
+knew of that worker and starts again from there -- it promises less than the worker holds, never more. A
+payload that does not decode is counted and handled the same way; an engine that restarts (seq 0 again)
+resets the worker too.
+
+The router's loop is never held up for long: one ``receive`` waits at most its ``timeout_s`` plus one
+replay (``replay_timeout_s``); a second gap in the same call waits for the next call. A replay socket that
+does not answer is not asked again for ``replay_backoff_s``, doubling at each further silence up to
+``replay_backoff_max_s``; meanwhile a gap resets the worker at once, without waiting.
 
 Both classes need ``pyzmq`` and ``msgspec`` (``pip install "kvblocks[zmq]"``), imported when one is created.
 """
@@ -48,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -74,6 +84,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The seq frame of the replay socket's end marker."""
 
 _IDLE_WAIT_S = 0.005  # the publisher thread's longest wait: how late an idle publisher answers a replay request
+_MAX_POLL_S = 1.0  # the longest single wait of a subscriber's poll (a longer wait is taken in slices)
 
 
 def require_zmq() -> Any:
@@ -100,6 +111,27 @@ def _text(name: str, value: object) -> str:
     if type(value) is not str:
         raise ConfigError(f"{name} must be a str, got {value!r}")
     return value
+
+
+def _seconds(name: str, value: object) -> float:
+    """A finite duration > 0 from the configuration, as a float."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond a float's range
+        raise ConfigError(f"{name} must be a finite number > 0, got {value!r}") from None
+
+
+def _wait_s(timeout_s: object) -> float:
+    """A receive's ``timeout_s`` as a float: any number >= 0, ``math.inf`` (or an int past a float's range)
+    for no limit; anything else raises :class:`InvalidArgumentError`."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s >= 0:
+        raise InvalidArgumentError(f"timeout_s must be a number >= 0, got {timeout_s!r}")
+    try:
+        return float(timeout_s)
+    except OverflowError:
+        return math.inf
 
 
 # ---------------------------------------------------------------------- publisher
@@ -365,10 +397,13 @@ class ZmqEventSubscriber:
     ``tcp://127.0.0.1:5557``) connects its PUB socket to it, so the consumer must be the side that binds
     (bind before the engine starts; ``self.endpoint`` is the address bound, its port resolved).
 
-    See the module docstring for gaps, replays and resets. Counters: ``received`` (live messages),
-    ``gaps``, ``replays`` (requests sent), ``replayed`` (batches recovered through them), ``resets``
-    (snapshots standing in for what could not be recovered), ``restarts``, ``duplicates``, ``malformed``
-    (messages or payloads that did not decode).
+    See the module docstring for the join, gaps, replays, resets and the back-off of a silent replay socket
+    (``replay_timeout_s``: the longest one replay waits for its end marker; ``replay_backoff_s`` /
+    ``replay_backoff_max_s``: the first and the longest pause after a replay that was not answered).
+    Counters: ``received`` (live messages), ``gaps``, ``replays`` (requests sent), ``replayed`` (batches
+    recovered through them), ``replay_failures`` (requests not answered in time), ``resets`` (snapshots
+    standing in for what could not be recovered), ``restarts``, ``duplicates``, ``malformed`` (messages or
+    payloads that did not decode).
     """
 
     def __init__(
@@ -380,6 +415,8 @@ class ZmqEventSubscriber:
         topic: str = "",
         dialect: Dialect = "vllm",
         replay_timeout_s: float = 1.0,
+        replay_backoff_s: float = 1.0,
+        replay_backoff_max_s: float = 30.0,
         context: Any = None,
         bind: bool = False,
     ) -> None:
@@ -388,12 +425,16 @@ class ZmqEventSubscriber:
             raise ConfigError(f"bind must be a bool, got {bind!r}")
         if type(worker) is not str or not worker:
             raise ConfigError(f"worker must be a non-empty str, got {worker!r}")
-        if isinstance(replay_timeout_s, bool) or not isinstance(replay_timeout_s, int | float) or replay_timeout_s <= 0:
-            raise ConfigError(f"replay_timeout_s must be a number > 0, got {replay_timeout_s!r}")
         self.worker = worker
         self.topic = _text("topic", topic)
         self.dialect = _check_dialect(dialect)
-        self.replay_timeout_s = float(replay_timeout_s)
+        self.replay_timeout_s = _seconds("replay_timeout_s", replay_timeout_s)
+        self.replay_backoff_s = _seconds("replay_backoff_s", replay_backoff_s)
+        self.replay_backoff_max_s = _seconds("replay_backoff_max_s", replay_backoff_max_s)
+        if self.replay_backoff_max_s < self.replay_backoff_s:
+            raise ConfigError(
+                f"replay_backoff_max_s ({replay_backoff_max_s!r}) must be >= replay_backoff_s ({replay_backoff_s!r})"
+            )
         self._zmq = zmq
         self._ctx = context if context is not None else zmq.Context.instance()
         self._topic = self.topic.encode()
@@ -412,6 +453,9 @@ class ZmqEventSubscriber:
             if replay_endpoint is not None:
                 self._dealer = self._ctx.socket(zmq.DEALER)
                 self._dealer.setsockopt(zmq.LINGER, 0)
+                # One request waits for an engine that is not there (yet), not one per retry: each would be
+                # answered with the engine's whole buffer when it comes.
+                self._dealer.setsockopt(zmq.SNDHWM, 1)
                 self._dealer.connect(replay_endpoint)
         except zmq.ZMQError as error:
             self.close()
@@ -420,10 +464,16 @@ class ZmqEventSubscriber:
             ) from None
         self._last: int | None = None
         self._reset_next = False
+        self._joined = False  # the join's replay was answered: not asked again
+        self._held: tuple[int, bytes] | None = None  # a gap left for the next receive (its replay)
+        self._may_replay = True  # this receive has not replayed yet
+        self._retry_at = 0.0  # monotonic time before which the replay socket is not asked (its back-off)
+        self._backoff_s = self.replay_backoff_s  # the next back-off
         self.received = 0
         self.gaps = 0
         self.replays = 0
         self.replayed = 0
+        self.replay_failures = 0
         self.resets = 0
         self.restarts = 0
         self.duplicates = 0
@@ -435,16 +485,29 @@ class ZmqEventSubscriber:
         return self._last
 
     def receive(self, timeout_s: float = 0.0, max_count: int = 1000) -> list[EventBatch]:
-        """The batches available, in order; waits up to ``timeout_s`` for the first live message."""
+        """The batches available, in order; waits up to ``timeout_s`` (``math.inf``: no limit) for the first
+        live message when it has nothing to return, and spends at most one replay besides (see the module
+        docstring). At most ``max_count`` live messages are taken.
+
+        Raises :class:`InvalidArgumentError` for a ``max_count`` below 1 or a ``timeout_s`` that is not a
+        number >= 0.
+        """
         if type(max_count) is not int or max_count < 1:
             raise InvalidArgumentError(f"max_count must be an int >= 1, got {max_count!r}")
-        if not timeout_s >= 0:
-            raise InvalidArgumentError(f"timeout_s must be >= 0, got {timeout_s!r}")
+        deadline = time.monotonic() + _wait_s(timeout_s)
         out: list[EventBatch] = []
-        if not self._sub.poll(int(timeout_s * 1000)):
+        self._may_replay = True
+        if not self._joined and self._last is None and self._held is None and not self._sub.poll(0):
+            self._join(out)
+        taken = 0
+        held, self._held = self._held, None
+        if held is not None:
+            taken = 1
+            if not self._take(held[0], held[1], out):
+                return out
+        if not out and taken == 0 and not self._wait(deadline):
             return out
         zmq = self._zmq
-        taken = 0
         while taken < max_count:
             try:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
@@ -453,9 +516,27 @@ class ZmqEventSubscriber:
             taken += 1
             self.received += 1
             message = self._split(frames, live=True)
-            if message is not None:
-                self._take(message[0], message[1], out)
+            if message is not None and not self._take(message[0], message[1], out):
+                break
         return out
+
+    def _wait(self, deadline: float) -> bool:
+        """Wait for a live message until ``deadline`` (in slices: ZMQ takes a wait in whole milliseconds of a
+        C int); return whether one is there."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if self._sub.poll(max(0, int(min(remaining, _MAX_POLL_S) * 1000))):
+                return True
+            if remaining <= _MAX_POLL_S:
+                return False
+
+    def _join(self, out: list[EventBatch]) -> None:
+        """Ask for everything the engine still buffers: a late joiner of an idle engine learns it now."""
+        replayed = self._replay_from(0)
+        if replayed is None:
+            return  # no replay socket, or it is silent: the live stream's gap asks again
+        self._joined = True
+        self._fill(0, replayed, out)  # empty: the engine never published; batch 0 comes live
 
     def _split(self, frames: list[bytes], *, live: bool) -> tuple[int, bytes] | None:
         """``(seq, payload)`` of a ``(topic, seq, payload)`` message (or ``(seq, payload)`` from old replays)."""
@@ -472,7 +553,9 @@ class ZmqEventSubscriber:
             return None
         return int.from_bytes(seq, "big"), payload
 
-    def _take(self, seq: int, payload: bytes, out: list[EventBatch]) -> None:
+    def _take(self, seq: int, payload: bytes, out: list[EventBatch]) -> bool:
+        """Deliver live message ``seq`` (after recovering a gap before it); False: it waits for the next
+        receive, which may replay (this one has replayed already)."""
         last = self._last
         if last is not None and seq == 0 and last > 0:
             self.restarts += 1  # the engine restarted: its cache is empty, its numbering starts over
@@ -480,15 +563,22 @@ class ZmqEventSubscriber:
             self._reset_next = True
         elif last is not None and seq <= last:
             self.duplicates += 1
-            return
+            return True
         else:
             expected = 0 if last is None else last + 1
             if seq != expected:
+                if not self._may_replay and self._can_replay():
+                    self._held = (seq, payload)
+                    return False
                 self.gaps += 1
-                self._recover(expected, seq, out)
+                replayed = self._replay_from(expected) or []
+                if not replayed:
+                    self._reset_next = True
+                self._fill(expected, replayed, out)
                 if self._last is not None and seq <= self._last:
-                    return  # the replay delivered it already
+                    return True  # the replay delivered it already
         self._deliver(seq, payload, out)
+        return True
 
     def _deliver(self, seq: int, payload: bytes, out: list[EventBatch]) -> None:
         self._last = seq
@@ -506,10 +596,9 @@ class ZmqEventSubscriber:
         self._reset_next = False
         out.append(batch)
 
-    def _recover(self, expected: int, seq: int, out: list[EventBatch]) -> None:
-        """Fill ``expected .. seq - 1`` from the replay socket; else reset at the first seq there is."""
-        replayed = self._replay_from(expected)
-        if not replayed or replayed[0][0] != expected:
+    def _fill(self, expected: int, replayed: list[tuple[int, bytes]], out: list[EventBatch]) -> None:
+        """Deliver the replayed batches from ``expected`` on; reset where they do not start there or have a hole."""
+        if replayed and replayed[0][0] != expected:
             self._reset_next = True  # the engine's buffer no longer reaches back: start over from what comes
         for rseq, payload in replayed:
             if self._last is not None and rseq <= self._last:
@@ -519,34 +608,56 @@ class ZmqEventSubscriber:
             self.replayed += 1
             self._deliver(rseq, payload, out)
 
-    def _replay_from(self, start: int) -> list[tuple[int, bytes]]:
-        """Ask the replay socket for the batches from ``start``; [] when there is none or it does not answer."""
+    def _can_replay(self) -> bool:
+        return self._dealer is not None and time.monotonic() >= self._retry_at
+
+    def _replay_from(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Ask the replay socket for the batches from ``start``, in order; None when there is no socket, it is
+        backing off, or it did not answer in ``replay_timeout_s`` (what came before the silence is kept)."""
         dealer = self._dealer
-        if dealer is None:
-            return []
+        if dealer is None or not self._can_replay():
+            return None
+        self._may_replay = False
         zmq = self._zmq
         with contextlib.suppress(zmq.Again):
             while True:  # a late answer to an earlier request that timed out
                 dealer.recv_multipart(zmq.NOBLOCK)
         self.replays += 1
-        dealer.send_multipart((b"", _seq_bytes(start)))
         out: list[tuple[int, bytes]] = []
         deadline = time.monotonic() + self.replay_timeout_s
+        try:  # never blocks: a request to an engine that is not there waits in ZMQ's queue, one at most
+            dealer.send_multipart((b"", _seq_bytes(start)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            deadline = 0.0  # the one before it still waits: as silent as no answer
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not dealer.poll(max(1, int(remaining * 1000))):
-                _log.warning("KV event replay from %d of %r: no end marker in time", start, self.worker)
-                return out
+                self._back_off(start)
+                return sorted(out) if out else None
             frames = dealer.recv_multipart()
             if not frames or frames[0] != b"":
                 self.malformed += 1
                 continue
             frames = frames[1:]
             if len(frames) >= 2 and frames[-2] == END_SEQ:
+                self._retry_at, self._backoff_s = 0.0, self.replay_backoff_s
                 return sorted(out)
             message = self._split(frames, live=False)
             if message is not None and message[0] >= start:
                 out.append(message)
+
+    def _back_off(self, start: int) -> None:
+        """The replay socket did not answer: leave it alone for a while, twice as long as last time."""
+        self.replay_failures += 1
+        self._retry_at = time.monotonic() + self._backoff_s
+        _log.warning(
+            "KV event replay from %d of %r: no end marker in %.3g s; not asked again for %.3g s",
+            start,
+            self.worker,
+            self.replay_timeout_s,
+            self._backoff_s,
+        )
+        self._backoff_s = min(2 * self._backoff_s, self.replay_backoff_max_s)
 
     def close(self) -> None:
         self._sub.close(linger=0)
@@ -569,7 +680,8 @@ def pump_subscriber(
     on_batch: Callable[[EventBatch], None] | None = None,
 ) -> int:
     """Feed every batch ``subscriber`` has into ``consumer`` (an :class:`~kvblocks.events.EventConsumer`);
-    return how many were applied. Waits up to ``timeout_s`` for the first. A batch whose feeding raises is
+    return how many were applied. Waits up to ``timeout_s`` for the first, and one replay at most
+    (:meth:`ZmqEventSubscriber.receive`). A batch whose feeding raises is
     logged and counted in ``consumer.feed_errors`` (its producer awaits a resync); malformed payloads are
     counted by the subscriber.
     """

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -64,11 +65,21 @@ class BatchConsumer(Protocol):
     def feed(self, batch: EventBatch) -> bool: ...
 
 
-def _check_receive_args(max_count: int, timeout_s: float) -> None:
+def receive_timeout(timeout_s: object) -> float:
+    """A ``receive``'s ``timeout_s`` as a float: any number >= 0, ``math.inf`` (or an int past a float's range)
+    for no limit; anything else raises :class:`InvalidArgumentError`."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s >= 0:
+        raise InvalidArgumentError(f"timeout_s must be a number >= 0, got {timeout_s!r}")
+    try:
+        return float(timeout_s)
+    except OverflowError:
+        return math.inf
+
+
+def _check_receive_args(max_count: int, timeout_s: object) -> float:
     if type(max_count) is not int or max_count < 1:
         raise InvalidArgumentError(f"max_count must be an int >= 1, got {max_count!r}")
-    if not timeout_s >= 0:
-        raise InvalidArgumentError(f"timeout_s must be >= 0, got {timeout_s!r}")
+    return receive_timeout(timeout_s)
 
 
 class InProcessTransport:
@@ -113,11 +124,11 @@ class InProcessTransport:
             self._ready.notify()
 
     def receive(self, max_count: int = 100, timeout_s: float = 0.0) -> list[bytes]:
-        _check_receive_args(max_count, timeout_s)
+        wait = _check_receive_args(max_count, timeout_s)
         queue = self._queue
         with self._ready:
-            if not queue and timeout_s > 0 and not self._closed:
-                self._ready.wait_for(lambda: bool(queue) or self._closed, timeout_s)
+            if not queue and wait > 0 and not self._closed:
+                self._ready.wait_for(lambda: bool(queue) or self._closed, None if wait == math.inf else wait)
             out = [queue.popleft() for _ in range(min(max_count, len(queue)))]
             self.received += len(out)
             return out
@@ -131,6 +142,7 @@ class InProcessTransport:
 _FIELD = b"d"  # the stream entry field holding the payload
 _BLOCK_SLACK_S = 0.25  # a server answers a timed-out XREAD BLOCK up to 1/hz late (100 ms by default)
 _POLL_S = 0.02  # the polling interval of a wait when the socket timeout is too short to block in
+_IDLE_RETRY_S = 1.0  # the longest a receive sleeps on a server it cannot use before returning empty
 
 
 class RedisStreamTransport:
@@ -200,8 +212,7 @@ class RedisStreamTransport:
         self.sent += 1
 
     def receive(self, max_count: int = 100, timeout_s: float = 0.0) -> list[bytes]:
-        _check_receive_args(max_count, timeout_s)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + _check_receive_args(max_count, timeout_s)
         if self._last_id is None and not self._resolve_start():
             self._wait_until(deadline)
             return []
@@ -233,9 +244,11 @@ class RedisStreamTransport:
 
     @staticmethod
     def _wait_until(deadline: float) -> None:
+        """Sleep until ``deadline``, or for :data:`_IDLE_RETRY_S` at most: a receive without a limit that meets a
+        server it cannot use returns empty rather than never (its caller asks again)."""
         remaining = deadline - time.monotonic()
         if remaining > 0:
-            time.sleep(remaining)
+            time.sleep(min(remaining, _IDLE_RETRY_S))
 
     def close(self) -> None:
         with contextlib.suppress(*self._errors):

@@ -952,3 +952,14 @@ def test_random_work_with_random_loss_never_leaves_a_wrong_view_unnoticed(
         publisher.publish()
     pump(transport, consumer)
     assert not consumer.needs_resync and index.of["w0"] == tree_view(work.m.tree)
+
+
+def test_an_in_process_receive_waits_without_limit_for_an_infinite_timeout_and_refuses_a_bad_one() -> None:
+    transport = InProcessTransport()
+    threading.Timer(0.1, lambda: transport.send(b"late")).start()
+    assert transport.receive(timeout_s=math.inf) == [b"late"]  # before: OverflowError
+    transport.send(b"now")
+    assert transport.receive(timeout_s=10**400) == [b"now"]  # an int past a float's range: no limit either
+    for bad in (-1, math.nan, "1", True, None):
+        with pytest.raises(InvalidArgumentError):
+            transport.receive(timeout_s=bad)  # type: ignore[arg-type]

@@ -66,7 +66,7 @@ from typing import Any
 
 from kvblocks.errors import ConfigError, EventDecodeError, InvalidArgumentError
 from kvblocks.event_codec import EventBatch, PendingEvent, decode_batch
-from kvblocks.event_transport import BatchConsumer
+from kvblocks.event_transport import BatchConsumer, receive_timeout
 from kvblocks.interop.engine_wire import (
     Dialect,
     EngineEventDecoder,
@@ -121,17 +121,6 @@ def _seconds(name: str, value: object) -> float:
         return float(value)
     except OverflowError:  # an int beyond a float's range
         raise ConfigError(f"{name} must be a finite number > 0, got {value!r}") from None
-
-
-def _wait_s(timeout_s: object) -> float:
-    """A receive's ``timeout_s`` as a float: any number >= 0, ``math.inf`` (or an int past a float's range)
-    for no limit; anything else raises :class:`InvalidArgumentError`."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s >= 0:
-        raise InvalidArgumentError(f"timeout_s must be a number >= 0, got {timeout_s!r}")
-    try:
-        return float(timeout_s)
-    except OverflowError:
-        return math.inf
 
 
 # ---------------------------------------------------------------------- publisher
@@ -494,7 +483,7 @@ class ZmqEventSubscriber:
         """
         if type(max_count) is not int or max_count < 1:
             raise InvalidArgumentError(f"max_count must be an int >= 1, got {max_count!r}")
-        deadline = time.monotonic() + _wait_s(timeout_s)
+        deadline = time.monotonic() + receive_timeout(timeout_s)
         out: list[EventBatch] = []
         self._may_replay = True
         if not self._joined and self._last is None and self._held is None and not self._sub.poll(0):

@@ -32,11 +32,13 @@ METRICS = (
 
 
 def _connector_stats(llm: Any) -> dict[str, Any] | None:
+    """Both connector halves' stats, where the engine core runs in this process (else None)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    if not has_kv_transfer_group():
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None or not has_kv_transfer_group():
         return None
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    scheduler = core.scheduler.connector
     worker = get_kv_transfer_group()
     if not hasattr(worker, "tier"):
         return None
@@ -71,11 +73,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             tokens = list(completion.token_ids)
             chosen = [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens, strict=True)]
             results.append({"tokens": tokens, "logprobs": chosen})
-        return {
-            "outputs": results,
-            "metrics": {name: metric(llm, name) for name in METRICS},
-            "connector": _connector_stats(llm),
-        }
+        connector = _connector_stats(llm)  # flushes the writes first
+        metrics = {name: metric(llm, name) for name in METRICS}
+        for m in llm.get_metrics():  # the connector's counters in vLLM's metrics (vllm:kvblocks_*)
+            if m.name.startswith("vllm:kvblocks_") and hasattr(m, "value"):
+                metrics[m.name] = metrics.get(m.name, 0.0) + m.value
+        return {"outputs": results, "metrics": metrics, "connector": connector}
     finally:
         shutdown_llm(llm)
 

@@ -101,8 +101,12 @@ def test_a_recovering_engine_leaves_only_the_reference_kv_in_a_shared_store(
     copy_store(reference_store, store)
     damage_store(store, {keys[name]: how for name, how in DAMAGE.items()}, donor=keys["p3:21"])
     b = run_engine(tiny_llama_dir, prompts, tmp_path, "b", kv_transfer_config=connector_config(store))
-    stats = b["connector"]
+    stats, seen = b["connector"], b["metrics"]
     assert stats["flushed"] and stats["worker"]["load_failed_blocks"] > 0 and stats["worker"]["load_blocks"] > 0
+    # what the worker counted reached vLLM's metrics; the saves computed over the failed loads were withheld
+    for name in ("load_blocks", "load_failed_blocks", "save_blocks", "save_withheld_blocks"):
+        assert seen.get(f"vllm:kvblocks_{name}", 0) == stats["worker"][name], name
+    assert stats["worker"]["save_withheld_blocks"] > 0
 
     unsound, drift = [], 0.0
     for key, path in entries(store).items():
@@ -122,8 +126,19 @@ def test_a_recovering_engine_leaves_only_the_reference_kv_in_a_shared_store(
     assert set(unsound) <= {name for name, how in DAMAGE.items() if how != "delete"}
     print(f"largest drift from the reference KV: {drift:.2e} of the range; unread damaged entries: {sorted(unsound)}")
 
-    c = run_engine(tiny_llama_dir, prompts, tmp_path, "c", logprobs=1, kv_transfer_config=connector_config(store))
-    assert c["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    # C runs as vLLM serves: its engine core in a process of its own; the connector's counters still reach it
+    c = run_engine(
+        tiny_llama_dir,
+        prompts,
+        tmp_path,
+        "c",
+        logprobs=1,
+        kv_transfer_config=connector_config(store),
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
+    hits = c["metrics"]["vllm:external_prefix_cache_hits"]
+    assert hits > 0 and c["metrics"].get("vllm:kvblocks_load_blocks", 0) * 32 == hits
+    assert c["metrics"].get("vllm:kvblocks_load_failed_blocks", 0) == 0
     for ours, theirs in zip(c["outputs"], r["outputs"], strict=True):
         assert ours["tokens"] == theirs["tokens"]
         assert np.allclose(ours["logprobs"], theirs["logprobs"], atol=LOGPROB_TOLERANCE, rtol=0)

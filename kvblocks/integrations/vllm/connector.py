@@ -21,8 +21,8 @@ vLLM builds one connector in its scheduler and one in every worker; each half ha
   has read it already (for every request that shares it), and vLLM's recomputation comes a step later.
   Each save carries the loads of unknown outcome it depends on; the worker withholds it if one failed
   (:mod:`~kvblocks.integrations.vllm.provenance`), and the block is saved once recomputed.
-* The counters reach vLLM's stats (its "KV Transfer metrics" log line, ``kvblocks_connector_*`` on its
-  Prometheus endpoint; :mod:`~kvblocks.integrations.vllm.stats`).
+* The counters reach vLLM's stats (its "KV Transfer metrics" log line, ``vllm:kvblocks_*`` on its
+  Prometheus endpoint and in ``LLM.get_metrics()``; :mod:`~kvblocks.integrations.vllm.stats`).
 * Keys are vLLM's own block hashes under a key space naming the model, the hash algorithm, the block
   size and the KV format (:class:`~kvblocks.integrations.vllm.kv_format.VllmKVFormat`); each
   tensor-parallel rank stores its shard under its own key.

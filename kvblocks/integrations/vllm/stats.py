@@ -1,5 +1,6 @@
-"""The connector's counters in vLLM's stats: its periodic "KV Transfer metrics" log line and its Prometheus
-endpoint (``kvblocks_connector_*_total``), in-process and in vLLM's multiprocess mode alike.
+"""The connector's counters in vLLM's stats: its periodic "KV Transfer metrics" log line, its Prometheus
+endpoint and ``LLM.get_metrics()`` (``vllm:kvblocks_*``, the prefix vLLM's metrics API keeps, as its own
+connectors do), in-process and in vLLM's multiprocess mode alike.
 
 vLLM's external hit counter (``vllm:external_prefix_cache_hits``) counts what a connector *promised* when the
 request was scheduled, even when every load then failed and vLLM recomputed it; ``loaded_blocks`` and
@@ -14,7 +15,10 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-__all__ = ["COUNTERS", "KVBlocksConnectorStats", "KVBlocksPromMetrics"]
+__all__ = ["COUNTERS", "METRIC_PREFIX", "KVBlocksConnectorStats", "KVBlocksPromMetrics"]
+
+METRIC_PREFIX = "vllm:kvblocks_"
+"""Every counter's Prometheus name is this prefix and its :data:`COUNTERS` key (``_total`` in the exposition)."""
 
 COUNTERS: dict[str, str] = {
     "load_blocks": "Blocks loaded from the store into vLLM's KV cache, sound.",
@@ -58,7 +62,7 @@ class KVBlocksPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
-            name: self._counter_cls(name=f"kvblocks_connector_{name}", documentation=doc, labelnames=labelnames)
+            name: self._counter_cls(name=f"{METRIC_PREFIX}{name}", documentation=doc, labelnames=labelnames)
             for name, doc in COUNTERS.items()
         }
         self._children: dict[tuple[int, str], Any] = {}

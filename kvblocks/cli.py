@@ -31,7 +31,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kvblocks.errors import ConfigError, KVBlocksError
+from kvblocks.errors import ConfigError, KVBlocksError, MissingExtraError
 from kvblocks.replay import LIMITS, MAX_BLOCKS
 
 __all__ = ["DTYPE_ALIASES", "MODEL_PRESETS", "main"]
@@ -331,7 +331,7 @@ def _plotter(path: str) -> Any:
         importlib.import_module("matplotlib").use("Agg")
         return importlib.import_module("matplotlib.pyplot")
     except ImportError:
-        raise ConfigError('--plot needs matplotlib: pip install "kvblocks[plot]"') from None
+        raise MissingExtraError("--plot needs matplotlib", "plot") from None
 
 
 def _load(name: str | None) -> Any:

@@ -137,6 +137,41 @@ def test_backends_without_torch_raise_one_error_naming_the_extra() -> None:
     assert len(lines) == 3 and all('"kvblocks[torch]"' in line for line in lines), out
 
 
+MISSING_EXTRAS = {  # extra -> (modules it installs, a call that needs them)
+    "torch": (("torch",), "import_module('kvblocks.backends.cpu')"),
+    "prometheus": (("prometheus_client",), "kvblocks.metrics.KVBlocksCollector()"),
+    "redis": (("redis",), "kvblocks.tiers.redis_storage.RedisStorage('redis://127.0.0.1:9/0')"),
+    "zmq": (("zmq", "msgspec"), "kvblocks.interop.zmq_events.ZmqEventPublisher('tcp://127.0.0.1:0')"),
+    "vllm": (("vllm",), "kvblocks.integrations.vllm.KVBlocksConnector"),
+    "plot": (("matplotlib",), "kvblocks.cli._plotter('curve.png')"),
+}
+
+
+@pytest.mark.parametrize("extra", sorted(MISSING_EXTRAS))
+def test_a_missing_extra_raises_one_error_class_naming_the_extra(extra: str) -> None:
+    """Every "install kvblocks[X]" is a MissingExtraError, which is a ConfigError and a BackendUnavailableError."""
+    modules, call = MISSING_EXTRAS[extra]
+    code = (
+        "import sys\n"
+        f"for name in {modules!r}:\n"
+        "    sys.modules[name] = None  # as if it were not installed\n"
+        "from importlib import import_module\n"
+        "import kvblocks, kvblocks.cli, kvblocks.metrics, kvblocks.interop.zmq_events, kvblocks.tiers.redis_storage\n"
+        "import kvblocks.integrations.vllm\n"
+        "try:\n"
+        f"    {call}\n"
+        "except kvblocks.MissingExtraError as error:\n"
+        "    assert isinstance(error, kvblocks.ConfigError) and isinstance(error, kvblocks.BackendUnavailableError)\n"
+        "    print(type(error).__name__, error.extra, error, sep='|')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    name, named, message = done.stdout.strip().split("|")
+    assert (name, named) == ("MissingExtraError", extra)
+    assert f'pip install "kvblocks[{extra}]"' in message
+    assert "MissingExtraError" in kvblocks.__all__
+
+
 def test_the_main_job_runs_without_torch(tmp_path: Path) -> None:
     code = (
         "import sys\n"

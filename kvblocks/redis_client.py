@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvblocks.errors import BackendUnavailableError, ConfigError
+from kvblocks.errors import ConfigError, MissingExtraError
 
 __all__ = ["DEFAULT_BACKOFF_BASE", "DEFAULT_BACKOFF_CAP", "DEFAULT_RETRIES", "RETRIED", "connect", "retrying"]
 
@@ -104,7 +104,7 @@ def connect(
         from redis.backoff import EqualJitterBackoff, NoBackoff
         from redis.retry import Retry
     except ImportError as error:
-        raise BackendUnavailableError(f'{user} needs the redis package: pip install "kvblocks[redis]"') from error
+        raise MissingExtraError(f"{user} needs the redis package", "redis") from error
     client_class = _make_client_class()
     try:
         client = client_class.from_url(

@@ -31,12 +31,13 @@ __all__ = [
     "min_blocks",
     "replay",
     "sweep",
+    "unlimited_blocks",
     "working_set_blocks",
 ]
 
 MAX_BLOCKS = 1 << 24
-"""The most device (or host) blocks a replay allocates in all: every block costs about 72 bytes of
-bookkeeping and 0.5 microseconds to set up, so the bound is about 1.2 GB and 9 s before the first
+"""The most device (or host) blocks a replay allocates in all: every block costs about 80 bytes of
+bookkeeping and 0.5 microseconds to set up, so the bound is about 1.3 GB and 9 s before the first
 request. Far beyond a real GPU's pool (an 80 GB GPU holds about 40,000 blocks of llama-3-8b)."""
 
 LIMITS: dict[str, tuple[int, int]] = {
@@ -72,6 +73,11 @@ class ReplayResult:
     host_evicted_blocks: int = 0
     peak_blocks_in_use: int = 0
     seconds: float = 0.0
+    """The replay itself, first request to last free."""
+    setup_seconds: float = 0.0
+    """Creating the managers before the first request (about 0.5 microseconds a block)."""
+    check_seconds: float | None = None
+    """The final ``check_integrity`` of every manager (None: not asked for)."""
     worker_prefill_tokens: list[int] = field(default_factory=list)
 
     @property
@@ -152,6 +158,20 @@ def working_set_blocks(trace: Trace, block_size: int | None = None) -> int:
     return len(seen)
 
 
+def unlimited_blocks(trace: Trace, *, block_size: int = 16, concurrency: int = 1, workers: int = 1) -> int:
+    """The capacity at which a replay evicts nothing: what ``replay`` uses without ``blocks``, and a sweep's 100%.
+
+    Every worker gets room for the whole working set -- the router may send any block to any worker --
+    plus one block for each request that may be running on it: a running request holds at most one
+    block outside the working set (its partial last block -- with ``reference``, the one extra token --
+    or its last full block, recomputed because the last prompt token is never a hit).
+    """
+    if trace.kind == "hash_ids":
+        block_size = trace.block_tokens or block_size
+    running = min(concurrency * workers, len(trace))
+    return (working_set_blocks(trace, block_size) + running + 1) * workers
+
+
 def replay(
     trace: Trace,
     *,
@@ -163,12 +183,14 @@ def replay(
     host_blocks: int = 0,
     storage_blocks: int = 0,
     progress: Callable[[int], None] | None = None,
+    check: bool = False,
 ) -> ReplayResult:
-    """Replay ``trace``; ``blocks`` is the total device capacity (None: room for everything).
+    """Replay ``trace``; ``blocks`` is the total device capacity (None: :func:`unlimited_blocks`).
 
     ``host_blocks`` (split over the workers) adds a host tier with write-back; ``storage_blocks``
     adds one storage tier shared by all workers (in memory, an LRU byte budget of that many
-    entries). Hits are then reported per tier.
+    entries). Hits are then reported per tier. ``check`` runs every manager's ``check_integrity``
+    at the end (O(blocks): on 16M blocks it takes longer than the replay) and times it.
     """
     if trace.kind == "hash_ids":
         block_size = trace.block_tokens or block_size
@@ -181,15 +203,19 @@ def replay(
     shapes = [_shape(trace, r, block_size, reference) for r in trace.requests]
     largest = _largest(shapes, block_size)
     if blocks is None:  # room for everything; more concurrency than requests changes nothing
-        blocks = working_set_blocks(trace, block_size) + largest * min(concurrency, len(shapes)) * workers + workers
+        blocks = unlimited_blocks(trace, block_size=block_size, concurrency=concurrency, workers=workers)
         if blocks > MAX_BLOCKS:
-            raise ConfigError(f"an unlimited cache for this trace needs {blocks:,} blocks, over {MAX_BLOCKS:,}")
+            raise ConfigError(
+                f"an unlimited cache for this trace over {workers} worker(s) needs {blocks:,} blocks, "
+                f"over {MAX_BLOCKS:,}: give a capacity"
+            )
     check_setting("blocks", blocks)
     per_worker = blocks // workers
     if per_worker < largest:
         raise ConfigError(
             f"{blocks} blocks over {workers} worker(s) cannot hold the trace's largest request ({largest} blocks)"
         )
+    started = time.perf_counter()
     sinks = [EventSink(capacity=0) for _ in range(workers)]
     managers = _managers(workers, per_worker, block_size, sinks, host_blocks // workers, storage_blocks)
     tiered = host_blocks > 0 or storage_blocks > 0
@@ -198,6 +224,7 @@ def replay(
     result.host_blocks, result.storage_blocks = host_blocks, storage_blocks
     result.worker_prefill_tokens = [0] * workers
     running: deque[tuple[Hashable, int, Any]] = deque()
+    result.setup_seconds = time.perf_counter() - started
     started = time.perf_counter()
     try:
         for i, (kwargs, prompt_blocks) in enumerate(shapes):
@@ -239,7 +266,11 @@ def replay(
             result.evicted_blocks += stats.evicted_blocks
             if tiered:
                 result.host_evicted_blocks += m.tier_stats.host_evicted
-            m.check_integrity()
+        if check:
+            started = time.perf_counter()
+            for m in managers:
+                m.check_integrity()
+            result.check_seconds = time.perf_counter() - started
         result.hit_tokens = result.hit_tokens_device + result.hit_tokens_host + result.hit_tokens_storage
     finally:
         for m in managers:

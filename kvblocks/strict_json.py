@@ -5,13 +5,15 @@ raises ``RecursionError``, an integer of more than 4300 digits a bare ``ValueErr
 bytes that are not UTF-8 are guessed to be UTF-16 or UTF-32, ``NaN`` is accepted and
 a repeated key silently keeps its last value (two readers may disagree about what a
 message said). :func:`parse` refuses all of these with one exception type, and
-:func:`brief` names a bad value in an error message without walking all of it.
+:func:`brief` names a bad value in an error message without walking all of it. A leading
+byte order mark is ignored, as RFC 8259 allows (editors on Windows write one).
 """
 
 from __future__ import annotations
 
 import json
 import reprlib
+import sys
 from typing import Any, TypeGuard
 
 __all__ = ["MAX_INT", "StrictJSONError", "brief", "is_text", "parse", "parse_versioned"]
@@ -48,12 +50,18 @@ def parse(data: object) -> Any:
         raise StrictJSONError(f"expected bytes, got {type(data).__name__}")
     try:
         text = data if isinstance(data, str) else bytes(data).decode("utf-8")
-        return json.loads(text, object_pairs_hook=_object, parse_constant=_constant)
+        return json.loads(text.removeprefix("\ufeff"), object_pairs_hook=_object, parse_constant=_constant)
     except StrictJSONError:
         raise
     except (ValueError, TypeError, RecursionError, MemoryError) as error:
         # ValueError covers bad UTF-8, bad JSON and an int beyond Python's digit limit.
-        raise StrictJSONError(f"not valid JSON: {brief(str(error))}") from None
+        raise StrictJSONError(f"not valid JSON: {_reason(error)}") from None
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, ValueError) and "int_max_str_digits" in str(error):  # its advice is for a programmer
+        return f"an integer of more than {sys.get_int_max_str_digits():,} digits"
+    return brief(str(error))
 
 
 def parse_versioned(data: object, what: str, version: int, error: type[Exception]) -> dict[str, Any]:

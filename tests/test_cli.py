@@ -8,6 +8,7 @@ import gzip
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,7 +181,7 @@ def test_sweep_writes_a_curve_that_rises_with_capacity(tmp_path: Path) -> None:
     assert status == 0
     rows = list(csv.DictReader(io.StringIO(text)))
     assert [r["capacity_blocks"] for r in rows][1] == "1000"
-    assert float(rows[-1]["share_of_working_set"]) == pytest.approx(1.0, abs=1e-3)
+    assert float(rows[-1]["share_of_unlimited"]) == 1.0
     by_capacity = sorted(rows, key=lambda r: int(r["capacity_blocks"]))
     rates = [float(r["token_hit_rate"]) for r in by_capacity]
     assert rates == sorted(rates) and rates[0] < rates[-1]
@@ -226,8 +227,6 @@ def test_plan_for_a_preset_and_a_custom_shape() -> None:
 def test_plan_errors(capsys) -> None:
     status, _ = run("plan", "--layers", "32", "--memory", "1GiB")
     assert status == 2 and "--kv-heads" in capsys.readouterr().err
-    status, _ = run("plan", "--model", "llama-3-8b", "--memory", "1GiB", "--block-size", "12")
-    assert status == 2 and "power of two" in capsys.readouterr().err
     assert main(["plan", "--model", "llama-3-8b", "--memory", "lots"]) == 2
     assert_one_error_line(capsys, "--memory: 'lots' is not a memory size")
 
@@ -359,7 +358,11 @@ def spy_on_work(monkeypatch) -> list[str]:
         (["plan", "--layers", "99999999999", "--kv-heads", "8", "--head-dim", "128", "--memory", "1G"], "<= 1,024"),
         (["plan", "--model", "llama-3-8b", "--memory", "1G", "--block-size", "-16"], "must be >= 1"),
         (["plan", "--model", "llama-3-8b", "--memory", "9" * 5000 + "G"], "too large"),
-        (["plan", "--model", "llama-3-8b", "--memory", "2EiB"], "is not a memory size"),
+        (["plan", "--model", "llama-3-8b", "--memory", "2EiB"], "argument --memory: must be <= 1EiB, got '2EiB'"),
+        (["plan", "--model", "llama-3-8b", "--memory", "-1G"], "argument --memory: must be > 0 bytes, got '-1G'"),
+        (["plan", "--model", "llama-3-8b", "--memory", "-1.5TiB"], "argument --memory: must be > 0 bytes"),
+        (["sweep", "mooncake-synthetic", "--capacities", "5%", "--csv", ""], "--csv '': give a file name"),
+        (["sweep", "mooncake-synthetic", "--capacities", "5%", "--plot", " "], "--plot ' ': give a file name"),
         (["plan", "--model", "llama-3-8b", "--memory", "2048PiB"], "must be <= 1EiB"),
         (["nonsense"], "invalid choice"),
         ([], "required: COMMAND"),
@@ -508,12 +511,17 @@ def test_a_plot_with_an_unknown_format_fails_before_the_sweep(tmp_path: Path, ca
         ("64K", 64 * 1024),
         ("4096", 4096),
         (" 8 GiB ", 8 * 2**30),
+        ("1EiB", 2**60),
+        ("1E", 2**60),
+        ("0.5EiB", 2**59),
+        ("1EB", 10**18),
     ],
 )
 def test_memory_units_binary_and_decimal(memory: str, size: int) -> None:
-    status, text = run("plan", "--model", "llama-3-8b", "--memory", memory, "--json")
+    shape = ["--layers", "1", "--kv-heads", "1", "--head-dim", "4", "--block-size", "1", "--dtype", "fp8"]
+    status, text = run("plan", *shape, "--memory", memory, "--json")  # a block of 8 bytes: K and V, 4 x 1 byte
     plan = json.loads(text)
-    assert status == 0 and plan["memory_bytes"] == size and plan["blocks"] == size // (2 * 2**20)
+    assert status == 0 and plan["memory_bytes"] == size and plan["blocks"] == size // 8
 
 
 @pytest.mark.parametrize("memory", ["0", "0G", "0.0GiB", "0.5B"])
@@ -634,29 +642,45 @@ def test_plot_without_matplotlib_names_the_extra_before_any_work(tmp_path: Path,
     assert work == [] and not table.exists() and not picture.exists()
 
 
-def test_the_plot_axis_names_the_block_size_and_the_share_of_the_working_set(tmp_path: Path, monkeypatch) -> None:
-    import types
-
-    calls: dict[str, Any] = {}
-
-    class Axes:
-        def __getattr__(self, name: str) -> Any:
-            return lambda *args, **kwargs: calls.setdefault(name, args)
-
-    class Figure(Axes):
-        pass
-
-    pyplot = types.SimpleNamespace(subplots=lambda **kwargs: (Figure(), Axes()), close=lambda figure: None)
-    monkeypatch.setitem(sys.modules, "matplotlib", types.SimpleNamespace(use=lambda backend: None))
-    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
-    trace = write_trace(tmp_path / "t.jsonl", [json.dumps({"token_ids": [k] * 64}) for k in (1, 2, 3)])
-    target = tmp_path / "c.png"
-    argv = ["sweep", str(trace), "--capacities", "50%,100%", "--block-size", "32", "--plot", str(target)]
+def drawn_figure(monkeypatch, argv: list[str]) -> Any:
+    """Run a sweep with --plot and keep the figure it drew (``pyplot.close`` is where the command lets go of it)."""
+    pyplot = pytest.importorskip("matplotlib.pyplot")
+    kept: list[Any] = []
+    monkeypatch.setattr(pyplot, "close", kept.append)
     assert run(*argv)[0] == 0
-    assert calls["set_xlabel"] == ("capacity (blocks of 32 tokens; % of working set)",)
-    assert calls["set_xticks"] == ([3, 6],)  # three prompts of two distinct 32-token blocks each
-    assert calls["set_xticklabels"][0] == ["3\n50%", "6\n100%"]
-    assert calls["savefig"] == (str(target),)
+    (figure,) = kept
+    return figure
+
+
+def overlapping(labels: list[Any]) -> list[tuple[str, str]]:
+    """Pairs of drawn tick labels whose boxes overlap on the canvas."""
+    boxes = [(label.get_text(), label.get_window_extent()) for label in labels if label.get_text()]
+    return [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1 :] if box.overlaps(other)]
+
+
+def test_the_sweep_plot_is_in_capacity_order_from_zero_with_legible_ticks_and_says_what_ran(
+    tmp_path: Path, monkeypatch
+) -> None:
+    target = tmp_path / "curve.png"
+    chat = [json.dumps({"token_ids": list(r.token_ids)}) for r in synthetic_chat().requests]
+    trace = str(write_trace(tmp_path / "chat.jsonl", chat))
+    capacities = "10%,1000,50%,100%"  # out of order, and 1,000 blocks lie close to 10%: the old ticks overprinted
+    argv = ["sweep", trace, "--capacities", capacities, "--workers", "2", "--concurrency", "3"]
+    figure = drawn_figure(monkeypatch, [*argv, "--plot", str(target)])
+    axes = figure.axes[0]
+    (line,) = axes.get_lines()
+    xs = list(line.get_xdata())
+    assert len(xs) == 4 and 1000 in xs and xs == sorted(xs)  # joined in capacity order: no doubling back
+    assert axes.get_ylim()[0] == 0 and axes.get_xlim()[0] == 0  # hit rate (and capacity) start at 0
+    figure.canvas.draw()
+    for drawn in (axes, *axes.child_axes):  # the top axis gives the share of the unlimited capacity
+        for axis in (drawn.xaxis, drawn.yaxis):
+            labels = [label for label in axis.get_ticklabels() if label.get_visible()]
+            assert overlapping(labels) == [], [label.get_text() for label in labels]
+    said = " ".join([axes.get_title(), *(text.get_text() for text in figure.texts)])
+    assert "chat.jsonl" in said and "2 workers" in said and "concurrency 3" in said
+    assert "blocks of 16 tokens" in axes.get_xlabel()
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_replay_shows_a_plain_progress_line_on_a_terminal_without_tqdm(monkeypatch) -> None:
@@ -714,3 +738,98 @@ def test_sweep_into_a_closed_pipe_prints_no_traceback() -> None:
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------- sizes and papercuts (issue 30)
+
+
+def test_a_sweep_s_100_percent_is_replay_s_unlimited_cache_and_evicts_nothing(tmp_path: Path) -> None:
+    """Running requests hold blocks beside the working set: 100% of the working set still evicted."""
+    trace = synthetic_chat()
+    path = write_trace(tmp_path / "chat.jsonl", [json.dumps({"token_ids": list(r.token_ids)}) for r in trace.requests])
+    for flags in (["--concurrency", "16"], ["--workers", "2"]):
+        status, text = run("sweep", str(path), "--capacities", "100%", *flags)
+        (row,) = list(csv.DictReader(io.StringIO(text)))
+        _, unlimited = run("replay", str(path), "--json", *flags)
+        assert status == 0 and row["evicted_blocks"] == "0" and float(row["share_of_unlimited"]) == 1.0
+        assert int(row["capacity_blocks"]) == json.loads(unlimited)["capacity_blocks"]
+        assert float(row["token_hit_rate"]) == pytest.approx(json.loads(unlimited)["token_hit_rate"], abs=1e-6)
+
+
+def test_replay_reports_its_setup_and_runs_the_integrity_check_only_when_asked(monkeypatch) -> None:
+    from kvblocks.manager import KVCacheManager
+
+    checks: list[int] = []
+    real = KVCacheManager.check_integrity
+    monkeypatch.setattr(KVCacheManager, "check_integrity", lambda self: checks.append(1) or real(self))
+    status, text = run("replay")
+    assert status == 0 and checks == [] and "check          not run (--check" in text
+    assert re.search(r"^setup          \d+\.\d\d s creating [\d,]+ blocks before the first request$", text, re.M)
+    status, text = run("replay", "--check")
+    assert status == 0 and checks == [1]
+    assert re.search(r"^check          check_integrity passed on every manager \(\d+\.\d\d s\)$", text, re.M)
+    status, text = run("replay", "--check", "--json")
+    assert json.loads(text)["check_seconds"] >= 0 and checks == [1, 1]
+
+
+def test_the_progress_line_says_when_the_integrity_check_runs(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert run("replay", "--check")[0] == 0
+    assert "\rkvblocks replay: 701/701 requests; checking integrity" in terminal.getvalue()
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 24, 528])
+def test_plan_takes_the_block_sizes_the_manager_takes(block_size: int) -> None:
+    from kvblocks import KVCacheManager
+
+    assert KVCacheManager(num_blocks=4, block_size=block_size).block_size == block_size
+    status, text = run("plan", "--model", "llama-3-8b", "--memory", "1GiB", "--block-size", str(block_size), "--json")
+    plan = json.loads(text)
+    assert status == 0 and plan["bytes_per_block"] == 32 * 2 * 8 * 128 * 2 * block_size
+    status, _ = run("plan", "--model", "gemma-3-27b", "--memory", "1GiB", "--block-size", str(block_size))
+    assert status == 0
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("llama-3-8b", "--memory 1 byte is smaller than one block (2,097,152 bytes)"),
+        ("gemma-3-27b", "--memory 1 byte is smaller than one block of any group"),
+    ],
+)
+def test_a_memory_smaller_than_one_block_is_an_error(model: str, message: str, capsys) -> None:
+    assert main(["plan", "--model", model, "--memory", "1"]) == 2
+    assert_one_error_line(capsys, message)
+
+
+def test_the_help_s_largest_memory_is_accepted() -> None:
+    help_text = " ".join(action.help or "" for _, action in options_of_every_parser() if action.dest == "memory")
+    assert "at most 1EiB" in help_text
+    status, text = run("plan", "--model", "llama-3-8b", "--memory", "1EiB", "--json")
+    assert status == 0 and json.loads(text)["memory_bytes"] == 2**60
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys) -> None:
+    import kvblocks.replay
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvblocks.replay, "replay", interrupted)
+    assert main(["replay"]) == 130
+    assert capsys.readouterr().err == "kvblocks replay: interrupted\n"
+
+
+def test_ctrl_c_in_a_running_sweep_prints_no_traceback() -> None:
+    import signal
+
+    code = "import sys\nfrom kvblocks.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    argv = [sys.executable, "-c", code, "sweep", "mooncake-conversation", "--capacities", "5%,10%,25%,50%,100%"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()  # the header and the first row: the sweep is under way
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 130 and err == "kvblocks sweep: interrupted\n", err

@@ -253,7 +253,7 @@ def test_bad_configs_raise_config_error() -> None:
         lambda: CacheGroup("recurrent", (0, 1), spec=spec2, state=state),
         lambda: CacheGroup("full", (0, 1), spec=spec2, state=state),
         lambda: CacheGroup.attention("full", [0], num_kv_heads=0, head_dim=8),
-        lambda: CacheGroup.attention("full", [0], num_kv_heads=1, head_dim=8, block_size=12),
+        lambda: CacheGroup.attention("full", [0], num_kv_heads=1, head_dim=8, block_size=0),
         lambda: HybridLayout(()),
         lambda: HybridLayout((CacheGroup("full", (0, 1), spec=spec2), CacheGroup.recurrent([1, 2], state))),
         lambda: HybridLayout(("full",)),  # type: ignore[arg-type]
@@ -349,7 +349,7 @@ def test_plan_errors_for_hybrid_presets(capsys: pytest.CaptureFixture[str]) -> N
         (["--model", "gemma-3-27b", "--layers", "4"], "drop --layers"),
         (["--model", "gemma-3-27b", "--context", "0"], "argument --context: must be >= 1"),
         (["--model", "gemma-3-27b", "--context", str(1 << 28)], "argument --context: must be <="),
-        (["--model", "gemma-3-27b", "--block-size", "24"], "power of two"),
+        (["--model", "gemma-3-27b", "--block-size", "0"], "argument --block-size: must be >= 1"),
     ]:
         assert main(["plan", *argv, "--memory", "1G"]) == 2
         captured = capsys.readouterr()

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvblocks import KVCacheManager
 
@@ -109,3 +112,68 @@ def test_an_unlimited_cache_does_not_grow_with_concurrency_beyond_the_trace() ->
 
     trace = synthetic_chat(conversations=5)
     assert replay(trace, concurrency=10**6).capacity_blocks == replay(trace, concurrency=len(trace)).capacity_blocks
+
+
+# ---------------------------------------------------------------- "unlimited" evicts nothing
+
+
+def _token_trace(prompts: list[list[int]]) -> Any:
+    from kvblocks.traces import Trace, TraceRequest
+
+    return Trace("t", "token_ids", tuple(TraceRequest(len(p), token_ids=tuple(p)) for p in prompts))
+
+
+def _hash_trace(prompts: list[list[int]], block: int) -> Any:
+    from kvblocks.traces import Trace, TraceRequest
+
+    requests = (TraceRequest(len(ids) * block - tail, hash_ids=tuple(ids)) for ids, tail in _tails(prompts, block))
+    return Trace("h", "hash_ids", tuple(requests), block)
+
+
+def _tails(prompts: list[list[int]], block: int) -> list[tuple[list[int], int]]:
+    """Each prompt's ids (prefix-chained, so that repeated ids only ever appear as shared prefixes) and a
+    partial last block of every length, exactly full included."""
+    out = []
+    for k, ids in enumerate(prompts):
+        chained = [hash((tuple(ids[: i + 1]),)) & 0xFFFF_FFFF for i in range(len(ids))]
+        out.append((chained, k % block))
+    return out
+
+
+# prompts over a small alphabet share prefixes; lengths cover exact multiples of the block size
+prompts_strategy = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=prompts_strategy,
+    block=st.integers(1, 4),
+    concurrency=st.integers(1, 8),
+    workers=st.integers(1, 4),
+    kind=st.sampled_from(["tokens", "hashes", "reference"]),
+)
+def test_an_unlimited_cache_evicts_nothing_whatever_the_workers_and_concurrency(
+    prompts: list[list[int]], block: int, concurrency: int, workers: int, kind: str
+) -> None:
+    """The capacity replay uses without ``blocks`` (and a sweep's 100%) never evicts; it used to with
+    several workers (each got a share of the working set) or with requests running beside the cached ones."""
+    from kvblocks.replay import replay, unlimited_blocks
+
+    if kind != "tokens":
+        block = max(block, 2)  # a hash-id trace's blocks are Mooncake's 512 tokens, never one
+    trace = _token_trace(prompts) if kind == "tokens" else _hash_trace(prompts, block)
+    options = {"block_size": block, "concurrency": concurrency, "workers": workers}
+    result = replay(trace, reference=kind == "reference", check=True, **options)
+    assert result.evicted_blocks == 0
+    assert result.capacity_blocks == unlimited_blocks(trace, **options)
+
+
+def test_the_final_integrity_check_is_optional_and_timed() -> None:
+    from kvblocks.replay import replay
+    from kvblocks.traces import synthetic_chat
+
+    trace = synthetic_chat(conversations=5)
+    plain, checked = replay(trace), replay(trace, check=True)
+    assert plain.check_seconds is None and checked.check_seconds is not None and checked.check_seconds >= 0
+    assert plain.setup_seconds > 0 and checked.as_dict()["check_seconds"] == checked.check_seconds
+    assert plain.hit_tokens == checked.hit_tokens

@@ -8,16 +8,15 @@ deep inside a backend.
 
 from __future__ import annotations
 
-from kvblocks.errors import BackendUnavailableError
-
-TORCH_MISSING = (
-    'kvblocks\' tensor backends need PyTorch: pip install "kvblocks[torch]" '
-    "(for PyTorch's CPU build, install torch from its CPU index first; see the README)"
-)
+from kvblocks.errors import MissingExtraError
 
 try:
     import torch as torch
 except ImportError as error:  # not installed, or blocked
-    raise BackendUnavailableError(TORCH_MISSING) from error
+    raise MissingExtraError(
+        "kvblocks' tensor backends need PyTorch",
+        "torch",
+        "for PyTorch's CPU build, install torch from its CPU index first; see the README",
+    ) from error
 
-__all__ = ["TORCH_MISSING", "torch"]
+__all__ = ["torch"]

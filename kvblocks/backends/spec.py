@@ -99,9 +99,7 @@ class KVCacheSpec:
         _positive(self.num_layers, "num_layers")
         _positive(self.num_kv_heads, "num_kv_heads")
         _positive(self.head_dim, "head_dim")
-        _positive(self.block_size, "block_size")
-        if self.block_size & (self.block_size - 1):
-            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        _positive(self.block_size, "block_size")  # any: vLLM sizes hybrid models' attention blocks to fit their state
         object.__setattr__(self, "dtype", _dtype_name(self.dtype, "dtype"))
         if self.scale_dtype is not None:
             object.__setattr__(self, "scale_dtype", _dtype_name(self.scale_dtype, "scale_dtype"))

@@ -52,7 +52,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from kvblocks.errors import ConfigError, EventDecodeError, InvalidArgumentError, InvalidTokenError
+from kvblocks.errors import ConfigError, EventDecodeError, InvalidArgumentError, InvalidTokenError, MissingExtraError
 from kvblocks.event_codec import (
     EVENT_GROUP_KINDS,
     AllBlocksCleared,
@@ -127,11 +127,11 @@ _CLEAR_ALL = tuple(AllBlocksCleared(tier) for tier in KVBLOCKS_TIERS)
 
 
 def require_msgspec() -> Any:
-    """Import msgspec, or raise :class:`ConfigError` naming the extra that installs it."""
+    """Import msgspec, or raise :class:`MissingExtraError` naming the extra that installs it."""
     try:
         import msgspec
     except ImportError:
-        raise ConfigError('vLLM/SGLang KV events need msgspec: pip install "kvblocks[zmq]"') from None
+        raise MissingExtraError("vLLM/SGLang KV events need msgspec", "zmq") from None
     return msgspec
 
 

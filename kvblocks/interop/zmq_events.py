@@ -64,7 +64,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from kvblocks.errors import ConfigError, EventDecodeError, InvalidArgumentError
+from kvblocks.errors import ConfigError, EventDecodeError, InvalidArgumentError, MissingExtraError
 from kvblocks.event_codec import EventBatch, PendingEvent, decode_batch
 from kvblocks.event_transport import BatchConsumer, receive_timeout
 from kvblocks.interop.engine_wire import (
@@ -93,7 +93,7 @@ def require_zmq() -> Any:
     try:
         import zmq
     except ImportError:
-        raise ConfigError('KV events over ZMQ need pyzmq: pip install "kvblocks[zmq]"') from None
+        raise MissingExtraError("KV events over ZMQ need pyzmq", "zmq") from None
     return zmq
 
 

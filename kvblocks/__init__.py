@@ -11,6 +11,8 @@ imported only by :mod:`kvblocks.backends`, when a backend is used.
 True
 """
 
+import logging as _logging
+
 from kvblocks.accounting import CachedTokens, CacheStats, HitCounters
 from kvblocks.config import CacheConfig
 from kvblocks.disagg import (
@@ -72,6 +74,10 @@ from kvblocks.hashing import (
 from kvblocks.manager import BlockTable, KVCacheManager
 from kvblocks.pool import BlockPool
 from kvblocks.radix import PrefixMatch, PrefixTree
+
+# A library's loggers get a NullHandler only: the application decides where lines go (none configured: nowhere,
+# rather than bare on stderr). What matters is also counted where users look (docs/metrics.md).
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __version__ = "0.1.0"
 

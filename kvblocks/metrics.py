@@ -196,6 +196,9 @@ _DOCS: dict[str, str] = {
     "no_payload: a plan completed without the saved bytes).",
     "kvblocks_storage_backend_errors": "Failed storage backend operations (entries), by operation.",
     "kvblocks_storage_written_bytes": "Bytes the storage backend stored.",
+    "kvblocks_storage_skipped_entries": "Things found where storage entries live that are not entries (links, "
+    "FIFOs, directories, sockets, foreign names in a FileStorage directory): skipped, never followed or "
+    "removed; counted each time one is met.",
     "kvblocks_decode_handoffs": "Prefill handoffs offered to a decode node, by outcome.",
     "kvblocks_decode_seeded_hit_tokens": "Cached tokens prefill nodes reported with their handoffs (counted there).",
     "kvblocks_decode_hit_tokens": "Cached tokens a decode node found beyond the prefill reports.",
@@ -420,6 +423,7 @@ def _collect_tiers(f: _Families, cache: dict[str, str], manager: TieredKVCacheMa
     f.counter("kvblocks_storage_backend_errors", {**cache, "op": "put"}, backend.put_errors)
     f.counter("kvblocks_storage_backend_errors", {**cache, "op": "get"}, backend.get_errors)
     f.counter("kvblocks_storage_written_bytes", cache, backend.put_bytes)
+    f.counter("kvblocks_storage_skipped_entries", cache, backend.skipped_entries)
     f.counter("kvblocks_evicted_blocks", {**cache, "tier": "storage"}, backend.evictions)
 
 

@@ -53,7 +53,9 @@ def parse(data: object) -> Any:
         return json.loads(text.removeprefix("\ufeff"), object_pairs_hook=_object, parse_constant=_constant)
     except StrictJSONError:
         raise
-    except (ValueError, TypeError, RecursionError, MemoryError) as error:
+    except RecursionError:  # Python's words for it name the decoder's internals
+        raise StrictJSONError("nested too deeply") from None
+    except (ValueError, TypeError, MemoryError) as error:
         # ValueError covers bad UTF-8, bad JSON and an int beyond Python's digit limit.
         raise StrictJSONError(f"not valid JSON: {_reason(error)}") from None
 

@@ -13,28 +13,33 @@ wrong, before any request is replayed, so a partial run is never reported as a r
 only exception a trace file can provoke: damaged gzip data, bad UTF-8, JSON nested too deeply,
 numbers out of range all become one. Token ids must be in ``[0, 2**32)`` (what the hasher packs),
 hash ids in ``[0, 2**64)`` and distinct within a request (one chain), timestamps finite.
-Files ending in ``.gz`` are read through gzip.
+Files ending in ``.gz`` are read through gzip. JSON is read strictly (:mod:`kvblocks.strict_json`):
+a key given twice in one request, ``NaN`` or ``Infinity`` is an error, not a silent choice. A line may
+hold at most :data:`MAX_LINE_CHARS` characters: a longer one (a file with no newline, ``/dev/zero``)
+is an error once that many are read, never a read of the whole into memory.
 """
 
 from __future__ import annotations
 
 import gzip
 import io
-import json
 import math
 import random
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import IO
 
+from kvblocks import strict_json
 from kvblocks.errors import KVBlocksError
 from kvblocks.hashing import TOKEN_LIMIT
 
 __all__ = [
     "BUNDLED_TRACES",
     "HASH_ID_LIMIT",
+    "MAX_LINE_CHARS",
     "MOONCAKE_BLOCK_TOKENS",
     "Trace",
     "TraceFormatError",
@@ -44,6 +49,9 @@ __all__ = [
 ]
 
 MOONCAKE_BLOCK_TOKENS = 512
+MAX_LINE_CHARS = 1 << 25
+"""The longest line a trace may have, in characters (its newline not counted): 32 Mi, a request of over two
+million token ids of ten digits each. A longer line is a :class:`TraceFormatError` once that many are read."""
 BUNDLED_TRACES = {
     "mooncake-conversation": "mooncake_conversation.jsonl.gz",
     "mooncake-synthetic": "mooncake_synthetic.jsonl.gz",
@@ -149,10 +157,8 @@ def _timestamp(record: dict[str, object], where: str) -> float:
 
 def _record(line: str, where: str) -> dict[str, object]:
     try:
-        record = json.loads(line)
-    except RecursionError:
-        raise TraceFormatError(f"{where}: not JSON (nested too deeply)") from None
-    except ValueError as e:  # JSONDecodeError, and an int over Python's digit limit
+        record = strict_json.parse(line)
+    except strict_json.StrictJSONError as e:  # bad JSON, nested too deeply, a repeated key, NaN, huge ints
         raise TraceFormatError(f"{where}: not JSON ({_brief(str(e))})") from None
     if not isinstance(record, dict):
         raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -179,22 +185,25 @@ def _request(record: dict[str, object], kind: str, where: str) -> TraceRequest:
     return TraceRequest(len(tokens), output, stamp, token_ids=tokens)
 
 
-def _lines(handle: Iterable[str], name: str) -> Iterator[tuple[int, str]]:
-    """Numbered lines; a read that fails (bad gzip data, bad UTF-8, a truncated file) names its line."""
+def _lines(handle: IO[str], name: str) -> Iterator[tuple[int, str]]:
+    """Numbered lines, each read with a bound (:data:`MAX_LINE_CHARS`); a read that fails (bad gzip data,
+    bad UTF-8, a truncated file) or a line too long names its line."""
     number = 0
-    reader = iter(handle)
+    limit = MAX_LINE_CHARS
     while True:
         try:
-            line = next(reader)
-        except StopIteration:
-            return
+            line = handle.readline(limit + 1)  # room for the newline of a line of exactly the limit
         except (OSError, EOFError, ValueError, zlib.error) as e:  # ValueError: UnicodeDecodeError
             raise TraceFormatError(f"{name}, line {number + 1}: cannot read it ({_brief(str(e))})") from None
+        if not line:
+            return
         number += 1
+        if len(line) > limit and not line.endswith("\n"):
+            raise TraceFormatError(f"{name}, line {number}: longer than {limit} characters, the most a line may hold")
         yield number, line
 
 
-def _parse(handle: Iterable[str], name: str) -> Trace:
+def _parse(handle: IO[str], name: str) -> Trace:
     requests: list[TraceRequest] = []
     kind: str | None = None
     for number, line in _lines(handle, name):

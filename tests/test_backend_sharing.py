@@ -762,3 +762,20 @@ def test_something_else_under_the_mailbox_name_is_refused_without_blocking(kind)
             path.unlink()
         else:
             path.rmdir()
+
+
+@pytest.mark.parametrize("where", ["top", "entry"])
+def test_a_key_given_twice_in_the_mailbox_is_refused(published, where: str) -> None:
+    """Strict JSON: with a repeated key two readers could disagree on what the mailbox says (json.loads keeps
+    the last value silently), so the mailbox is refused."""
+    original = published[2]
+    body = original[sharing._HEADER.size :].decode()
+    document = json.loads(body)
+    assert len(sharing._parse_mailbox(body.encode())) == len(document["caches"])  # the real body reads
+    if where == "top":
+        other = json.dumps(document["caches"][:1])
+        doubled = body[:-1] + f', "caches": {other}}}'
+    else:
+        doubled = body.replace('"num_blocks": ', '"num_blocks": 1, "num_blocks": ', 1)
+    with pytest.raises(ConfigError, match="repeats a key"):
+        sharing._parse_mailbox(doubled.encode())

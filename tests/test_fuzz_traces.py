@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvblocks.cli import main
-from kvblocks.traces import Trace, TraceFormatError, load_trace
+from kvblocks.traces import MAX_LINE_CHARS, Trace, TraceFormatError, load_trace
 
 TOKEN_LINES = [{"token_ids": list(range(k, k + 24 + 8 * k)), "output_length": 4, "timestamp": k} for k in range(4)] + [
     {"token_ids": list(range(40)), "timestamp": 0.5}
@@ -198,3 +198,52 @@ def test_a_huge_input_length_is_named_briefly(tmp_path: Path) -> None:
         load_trace(path)
     message = str(info.value)
     assert message.startswith(str(path)) and len(message) < 500 and "hash_ids" in message
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"token_ids": [1, 2, 3], "token_ids": [4]}',
+        '{"timestamp": 0, "input_length": 700, "hash_ids": [1, 2], "hash_ids": [3, 4]}',
+        '{"token_ids": [1, 2], "timestamp": 1, "timestamp": 2}',
+    ],
+)
+def test_a_key_given_twice_is_refused_not_read_as_its_last_value(tmp_path: Path, line: str) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(TraceFormatError, match=r"line 1: not JSON .*repeats a key"):
+        load_trace(path)
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero")
+def test_a_line_with_no_end_is_refused_at_the_limit() -> None:
+    """``kvblocks replay /dev/zero``: one line that never ends. Read up to the limit, then refused (it
+    used to be read whole: a MemoryError traceback)."""
+    with pytest.raises(TraceFormatError, match=f"/dev/zero, line 1: longer than {MAX_LINE_CHARS} characters"):
+        load_trace("/dev/zero")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["replay", "/dev/zero"]) == 2
+    assert err.getvalue().startswith("kvblocks replay: error: /dev/zero, line 1: longer than")
+    assert err.getvalue().count("\n") == 1
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_lines_up_to_the_limit_are_read_and_longer_ones_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str
+) -> None:
+    line = '{"token_ids": [1, 2, 3], "timestamp": 0}'
+    monkeypatch.setattr("kvblocks.traces.MAX_LINE_CHARS", len(line))
+
+    def load(text: str) -> Trace:
+        path = tmp_path / f"t{next(_names)}{suffix}"
+        data = text.encode()
+        path.write_bytes(gzip.compress(data, mtime=0) if suffix.endswith(".gz") else data)
+        return load_trace(path)
+
+    assert len(load(f"{line}\n{line}\n")) == 2
+    assert len(load(f"{line}\n{line}")) == 2  # the last line without its newline
+    longer = line[:-1] + " }"
+    for text in (f"{line}\n{longer}\n", f"{line}\n{longer}"):
+        with pytest.raises(TraceFormatError, match=f"line 2: longer than {len(line)} characters"):
+            load(text)

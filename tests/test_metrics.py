@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from kvblocks import DecodeManager, KVCacheManager, PrefillManager, TieredDecode
 from kvblocks.errors import BackendUnavailableError, InvalidArgumentError
 from kvblocks.metrics import KVBlocksCollector, RouterMetrics, exposition, start_http_server
 from kvblocks.routing import Router, RouterConfig
-from kvblocks.tiers import MemoryStorage, TierConfig, TieredKVCacheManager
+from kvblocks.tiers import FileStorage, MemoryStorage, TierConfig, TieredKVCacheManager, file_storage
 from tests.tier_sim import FORMAT, SimEngine
 
 B = 4
@@ -173,6 +174,63 @@ def test_host_hits_swaps_storage_writes_and_reads(served) -> None:
         assert value(s, "kvblocks_usage_ratio", **host) == 0.0  # nothing in flight: all 6 are evictable
     finally:
         m.close(timeout=1)
+
+
+def test_failed_saves_corrupt_entries_and_odd_files_show_without_any_logging(served, tmp_path, monkeypatch) -> None:
+    """What kvblocks logs as warnings (a save that failed, a corrupt entry removed) goes nowhere when the
+    application configured no logging (a NullHandler on ``kvblocks``): the counters must say it."""
+    collector, url = served
+    storage = FileStorage(tmp_path)
+    m = TieredKVCacheManager(
+        5, B, tiers=TierConfig(storage=storage, entry_format=FORMAT, storage_policy="write-through")
+    )
+    collector.add_manager("files", m)
+    sim = SimEngine(m)
+    a, b, c = list(range(17)), list(range(100, 117)), list(range(200, 217))  # 4 full blocks each; 5 fill the device
+    real_open = open
+
+    def failing_open(file, mode="r", *args, **kwargs):  # the directory went read-only: every save fails
+        if set(mode) & set("wxa"):
+            raise PermissionError(13, "Permission denied", file)
+        return real_open(file, mode, *args, **kwargs)
+
+    try:
+        for tokens in (a, c):
+            sim.serve(str(tokens[0]), tokens)
+            sim.run_plan()
+            assert m.flush(5)
+        with monkeypatch.context() as patch:
+            patch.setattr(file_storage, "open", failing_open, raising=False)
+            sim.serve("b", b)  # evicts c from the device; b0..b3 cannot be saved
+            sim.run_plan()
+            assert m.flush(5)
+        first: dict[str, str] = {}
+        for name, tokens in (("a2", a), ("c2", c)):
+            m.add_sequence(name, tokens)
+            assert m.lookup(name).storage == 16  # storage holds (it says) all four blocks
+            first[name] = m.storage.keys_of(m.block_hashes(name)[0])[0]
+            m.free(name)
+        with real_open(storage._file(first["a2"]), "r+b") as entry:  # a0: its last payload byte flipped
+            entry.seek(-1, os.SEEK_END)
+            last = entry.read(1)[0]
+            entry.seek(-1, os.SEEK_END)
+            entry.write(bytes([last ^ 1]))
+        os.unlink(storage._file(first["c2"]))
+        os.mkfifo(storage._file(first["c2"]))  # c0: a FIFO (a reader once hung on it)
+        for name, tokens in (("a2", a), ("c2", c)):
+            sim.serve(name, tokens)  # asks storage for a0..a3 (c0..c3): the first entry is bad
+            sim.run_plan()
+        s = scrape(url)
+        cache = {"cache": "files"}
+        assert value(s, "kvblocks_storage_writes_total", **cache, result="failed") == 4  # b0..b3
+        assert value(s, "kvblocks_storage_backend_errors_total", **cache, op="put") == 4
+        assert value(s, "kvblocks_storage_reads_total", **cache, result="corrupt") == 1  # a0, removed
+        assert value(s, "kvblocks_storage_reads_total", **cache, result="missing") == 1  # c0
+        assert value(s, "kvblocks_storage_backend_errors_total", **cache, op="get") == 1  # c0
+        assert value(s, "kvblocks_storage_skipped_entries_total", **cache) == 1  # c0
+        assert value(s, "kvblocks_prefix_hit_tokens_total", **cache, tier="storage") == 0
+    finally:
+        m.close(5)
 
 
 def test_host_blocks_held_by_copies_in_flight_are_in_use_until_the_plan_completes() -> None:

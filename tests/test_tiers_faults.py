@@ -560,7 +560,7 @@ def test_file_storage_write_failures_are_dropped_and_counted(make_error, tmp_pat
     real_open = open
 
     def failing_open(file, mode="r", *args, **kwargs):
-        if broken.is_set() and "w" in mode:
+        if broken.is_set() and set(mode) & set("wxa"):  # any open for writing
             raise make_error()
         return real_open(file, mode, *args, **kwargs)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
-import platform
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from kvblocks.tiers import FileStorage, MemoryStorage, file_storage
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.entry import HEADER, EntryFormat, StreamedChecksum, block_key
 from kvblocks.tiers.storage_tier import StorageTier
-from kvblocks.tiers.writer import BUFFER_ALIGNMENT, AsyncWriter, EntryPool, aligned_bytearray
+from kvblocks.tiers.writer import BUFFER_ALIGNMENT, AsyncWriter, EntryPool, aligned_buffer
 from tests.damage import damaged
 
 FMT = EntryFormat("xxh3-128", "float16", (2, 2, 4, 8), 7, 2 * 2 * 4 * 8 * 2)  # 256-byte payloads
@@ -506,7 +505,7 @@ def test_the_pool_never_hands_out_a_buffer_still_queued(ops, max_pending: int) -
         writer.close(5.0)
 
 
-def address_of(buffer: bytearray) -> int:
+def address_of(buffer: bytearray | memoryview) -> int:
     probe = ctypes.c_char.from_buffer(buffer)
     try:
         return ctypes.addressof(probe)
@@ -517,28 +516,33 @@ def address_of(buffer: bytearray) -> int:
 @settings(max_examples=100, deadline=None)
 @given(size=st.integers(1, 5 << 20), alignment=st.sampled_from([1, 2, 16, 64, 4096]))
 def test_aligned_buffers_start_on_the_boundary_zeroed_and_whole(size: int, alignment: int) -> None:
-    buffer = aligned_bytearray(size, alignment)
-    assert type(buffer) is bytearray and len(buffer) == size and buffer.count(0) == size
-    if platform.python_implementation() == "CPython" and size >= alignment:  # else best effort (docstring)
-        assert address_of(buffer) % alignment == 0
-    buffer[-1:] = b"\x01"  # a full-size, writable buffer whose bytes stayed put
+    """On the boundary for every size (a bytearray trimmed into place was aligned only from ``alignment`` bytes
+    up, and only where CPython kept its start)."""
+    buffer = aligned_buffer(size, alignment)
+    assert type(buffer) is memoryview and buffer.format == "B" and not buffer.readonly
+    assert len(buffer) == buffer.nbytes == size and bytes(buffer).count(0) == size
+    assert address_of(buffer) % alignment == 0
+    buffer[-1:] = b"\x01"  # a full-size, writable buffer
     assert buffer[-1] == 1 and len(buffer) == size
 
 
 @pytest.mark.parametrize("size, alignment", [(0, 64), (-1, 64), (64, 0), (64, True), (2.0, 64)])
 def test_an_aligned_buffer_of_no_size_or_alignment_is_refused(size: object, alignment: object) -> None:
     with pytest.raises(InvalidArgumentError):
-        aligned_bytearray(size, alignment)  # type: ignore[arg-type]
+        aligned_buffer(size, alignment)  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(platform.python_implementation() != "CPython", reason="alignment relies on CPython's bytearray")
-def test_pooled_entry_buffers_are_cache_line_aligned() -> None:
-    pool = EntryPool(FMT.entry_length, max_free=4)
+@pytest.mark.parametrize("length", [FMT.entry_length, 1, BUFFER_ALIGNMENT - 1])
+def test_pooled_entry_buffers_are_cache_line_aligned(length: int) -> None:
+    pool = EntryPool(length, max_free=4)
     buffers = [pool.take() for _ in range(4)]
-    assert all(address_of(b) % BUFFER_ALIGNMENT == 0 and len(b) == FMT.entry_length for b in buffers)
+    assert all(address_of(b) % BUFFER_ALIGNMENT == 0 and len(b) == length for b in buffers)
     for b in buffers:
         pool.give(b)
-    assert pool.free == 4 and all(pool.take() in buffers for _ in range(4))  # handed out again as they are
+    assert pool.free == 4 and all(any(t is b for b in buffers) for t in [pool.take() for _ in range(4)])
+    pool.give(bytearray(length))  # type: ignore[arg-type]  # not one of the pool's kind: not kept
+    pool.give(memoryview(bytes(length)))  # read-only
+    assert pool.free == 0
 
 
 def test_dropped_entries_give_their_buffers_back_and_the_pool_stays_bounded() -> None:

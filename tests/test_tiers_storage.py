@@ -16,7 +16,6 @@ from kvblocks.tiers import (
     MemoryStorage,
     StorageBackend,
     block_key,
-    file_storage,
     namespace_tag,
     usable_prefix,
 )
@@ -222,16 +221,17 @@ def test_permission_denied_on_read_is_a_counted_miss(tmp_path, monkeypatch) -> N
     storage = FileStorage(tmp_path)
     (k,) = keys("0a")
     storage.put([(k, b"v")])
-    real_open = open
+    real_open = os.open
 
     def denying_open(path, *args, **kwargs):  # root reads any file: chmod cannot make one unreadable here
-        if os.path.basename(path) == k:
+        if isinstance(path, str) and os.path.basename(path) == k:
             raise PermissionError(errno.EACCES, "Permission denied")
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(file_storage, "open", denying_open, raising=False)  # the module's own name for it
-    assert storage.get([k]) == [None]
-    assert storage.stats.get_errors == 1 and storage.stats.misses == 1
+    monkeypatch.setattr(os, "open", denying_open)
+    assert storage.get([k]) == [None] and storage.get_into(k, [bytearray(1)]) is None
+    assert storage.stats.get_errors == 2 and storage.stats.misses == 2 and storage.stats.skipped_entries == 0
+    assert storage.exists([k]) == [True]  # there, only unreadable: not forgotten
 
 
 def test_a_corrupt_file_is_a_miss_and_can_be_removed(tmp_path) -> None:

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, fields
 from multiprocessing import shared_memory
 from typing import Any
 
+from kvblocks import strict_json
 from kvblocks.backends._torch import torch
 from kvblocks.backends.cache import KVCache, build_cache
 from kvblocks.backends.spec import KVCacheSpec
@@ -376,16 +377,12 @@ def _parse_entry(value: object) -> _Entry:
     return _Entry(spec, num_blocks, ipc)
 
 
-def _no_constant(token: str) -> object:
-    raise ConfigError(f"the mailbox holds {token}, which is not JSON")
-
-
 def _parse_mailbox(body: bytes) -> list[_Entry]:
     """The caches a mailbox body describes; ConfigError for anything but the documented plain fields."""
     try:
-        document = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
-    except (ValueError, RecursionError) as error:  # bad UTF-8, bad JSON, too deep, too many digits
-        raise ConfigError(f"the mailbox is not UTF-8 JSON: {str(error)[:200]}") from None
+        document = strict_json.parse(body)  # bad UTF-8 or JSON, too deep, too many digits, NaN, a repeated key
+    except strict_json.StrictJSONError as error:
+        raise ConfigError(f"the mailbox is not strict UTF-8 JSON: {str(error)[:200]}") from None
     caches = _object(document, {"caches"}, "(top level)")["caches"]
     if not isinstance(caches, list) or not 1 <= len(caches) <= _MAX_CACHES:
         raise ConfigError(f"mailbox field caches must be a list of 1-{_MAX_CACHES} caches")

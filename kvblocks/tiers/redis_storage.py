@@ -69,7 +69,7 @@ class RedisStorage:
     def _names(self, keys: Sequence[str]) -> list[str]:
         return [self._prefix + valid_key(key) for key in keys]
 
-    def put(self, items: Sequence[tuple[str, bytes | bytearray]]) -> int:
+    def put(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]]) -> int:
         names = self._names([key for key, _ in items])
         if not names:
             return 0

@@ -47,6 +47,10 @@ class StorageStats:
     get_errors: int = 0
     deletes: int = 0
     evictions: int = 0
+    skipped_entries: int = 0
+    """Things found where entries live that are not entries -- links, FIFOs, directories, sockets, files
+    named as no key (``FileStorage``): never followed, opened or removed; counted each time one is met
+    (the start-up scan, a read)."""
 
     def snapshot(self) -> StorageStats:
         return replace(self)
@@ -58,7 +62,7 @@ class StorageBackend(Protocol):
 
     stats: StorageStats
 
-    def put(self, items: Sequence[tuple[str, bytes | bytearray]]) -> int:
+    def put(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]]) -> int:
         """Store entries; returns how many were written (failures are dropped and counted)."""
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -109,7 +113,7 @@ class MemoryStorage:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, items: Sequence[tuple[str, bytes | bytearray]]) -> int:
+    def put(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]]) -> int:
         checked = [(valid_key(key), bytes(value)) for key, value in items]
         with self._lock:
             for key, value in checked:

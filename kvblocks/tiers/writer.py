@@ -34,7 +34,6 @@ the engine:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import threading
@@ -44,11 +43,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from kvblocks.errors import ConfigError, InvalidArgumentError, SequenceStateError
 from kvblocks.tiers.entry import valid_key
 from kvblocks.tiers.storage import StorageBackend
 
-__all__ = ["BUFFER_ALIGNMENT", "AsyncWriter", "EntryPool", "WriterStats", "aligned_bytearray"]
+__all__ = ["BUFFER_ALIGNMENT", "AsyncWriter", "EntryPool", "WriterStats", "aligned_buffer"]
 
 _log = logging.getLogger("kvblocks.tiers")
 
@@ -79,24 +80,21 @@ blocks of 2 MiB out of vLLM's layer views took 2.5 ms into aligned buffers again
 bytearrays (whose data starts 16 bytes past a line)."""
 
 
-def aligned_bytearray(size: int, alignment: int = BUFFER_ALIGNMENT) -> bytearray:
-    """A zeroed ``bytearray`` of ``size`` bytes whose data starts on an ``alignment``-byte boundary.
+def aligned_buffer(size: int, alignment: int = BUFFER_ALIGNMENT) -> memoryview:
+    """A zeroed, writable, flat byte buffer of ``size`` bytes whose first byte is on an ``alignment``-byte
+    boundary.
 
-    CPython moves a bytearray's start, not its bytes, when leading bytes are deleted (and keeps the
-    block when a few trailing ones are), so over-allocating and trimming both ends aligns it -- for
-    ``size >= alignment`` (a smaller one shrinks to under half its block and is copied). Where the
-    bytes move, the buffer is merely unaligned: slower, never wrong.
+    A view of a numpy array ``alignment - 1`` bytes longer, cut where the boundary falls: numpy says where
+    its data is (``__array_interface__``), and an array's data never moves, on any Python (a bytearray's
+    start is CPython's private business). The view keeps the array alive.
     """
     for value, what in ((size, "size"), (alignment, "alignment")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidArgumentError(f"{what} must be an int >= 1, got {value!r}")
-    buffer = bytearray(size + alignment - 1)
-    probe = ctypes.c_char.from_buffer(buffer)  # exports the buffer: no resize while it lives
-    shift = -ctypes.addressof(probe) % alignment
-    del probe
-    del buffer[:shift]
-    del buffer[size:]
-    return buffer
+    raw = np.zeros(size + alignment - 1, dtype=np.uint8)
+    shift = -raw.__array_interface__["data"][0] % alignment
+    view: memoryview = raw[shift : shift + size].data
+    return view
 
 
 class EntryPool:
@@ -104,7 +102,7 @@ class EntryPool:
 
     An entry built in place (header, then the block copied straight from the KV tensors) needs a
     buffer per block; fresh 2 MiB buffers cost a page fault per 4 KiB on every save. Buffers are
-    cache-line aligned (:func:`aligned_bytearray`). The pool keeps
+    cache-line aligned writable byte views (:func:`aligned_buffer`). The pool keeps
     at most ``max_free`` returned buffers (a bound on idle memory) and makes a new one when none is
     free: :meth:`take` never waits. A buffer is taken by one owner at a time -- the caller filling it,
     then the writer's queue -- and comes back only when the writer is done with it (written, failed,
@@ -114,7 +112,7 @@ class EntryPool:
     def __init__(self, size: int, max_free: int) -> None:
         self.size = _positive_int(size, "size")
         self.max_free = _positive_int(max_free, "max_free")
-        self._free: list[bytearray] = []
+        self._free: list[memoryview] = []
         self._lock = threading.Lock()
         self.created = 0  # buffers made because none was free
         self.reused = 0  # buffers handed out again
@@ -124,19 +122,29 @@ class EntryPool:
         """Buffers idle in the pool now."""
         return len(self._free)
 
-    def take(self) -> bytearray:
+    def take(self) -> memoryview:
         """A buffer of :attr:`size` bytes, owned by the caller until it is given back (contents: anything)."""
         with self._lock:
             if self._free:
                 self.reused += 1
                 return self._free.pop()
             self.created += 1
-        return aligned_bytearray(self.size)
+        return aligned_buffer(self.size)
 
-    def give(self, buffer: bytearray) -> None:
+    def fits(self, buffer: object) -> bool:
+        """Whether ``buffer`` is of the kind this pool hands out: a live, writable, flat byte view of
+        :attr:`size` bytes."""
+        if type(buffer) is not memoryview:
+            return False
+        try:
+            return not buffer.readonly and buffer.format == "B" and buffer.ndim == 1 and buffer.nbytes == self.size
+        except ValueError:  # released
+            return False
+
+    def give(self, buffer: memoryview) -> None:
         """Return a buffer taken from this pool; its owner must not touch it any more."""
         with self._lock:
-            if len(self._free) < self.max_free and type(buffer) is bytearray and len(buffer) == self.size:
+            if len(self._free) < self.max_free and self.fits(buffer):
                 self._free.append(buffer)
 
 
@@ -144,12 +152,12 @@ class EntryPool:
 class _Entry:
     seq: int  # order of acceptance; flush() waits for every seq up to the one it saw
     key: str
-    value: bytes | bytearray
+    value: bytes | bytearray | memoryview
     pool: EntryPool | None = None  # where the value goes back once the entry is resolved (None: a copy)
 
     def release(self) -> None:
         if self.pool is not None:
-            self.pool.give(self.value)  # type: ignore[arg-type]  # pooled values are bytearrays
+            self.pool.give(self.value)  # type: ignore[arg-type]  # pooled values are the pool's memoryviews
 
 
 def _release(entries: Sequence[_Entry]) -> None:
@@ -172,8 +180,8 @@ def _check_timeout(timeout: float | None) -> float | None:
 
 
 def _checked_items(
-    items: Sequence[tuple[str, bytes | bytearray]], pool: EntryPool | None
-) -> list[tuple[str, bytes | bytearray]]:
+    items: Sequence[tuple[str, bytes | bytearray | memoryview]], pool: EntryPool | None
+) -> list[tuple[str, bytes | bytearray | memoryview]]:
     """Valid ``(key, bytes)`` pairs, values copied; raises before anything is queued.
 
     Values are copied because the write happens later, and a caller may reuse a
@@ -182,15 +190,15 @@ def _checked_items(
     """
     if isinstance(items, (str, bytes, bytearray, memoryview)) or not isinstance(items, Sequence):
         raise InvalidArgumentError(f"items must be a sequence of (key, bytes) pairs, got {type(items).__name__}")
-    checked: list[tuple[str, bytes | bytearray]] = []
+    checked: list[tuple[str, bytes | bytearray | memoryview]] = []
     for index, item in enumerate(items):
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise InvalidArgumentError(f"items[{index}] must be a (key, bytes) pair, got {item!r:.80}")
         key, value = item
         valid_key(key)
         if pool is not None:
-            if type(value) is not bytearray or len(value) != pool.size:
-                raise InvalidArgumentError(f"items[{index}] value must be a bytearray of the pool's {pool.size} bytes")
+            if not pool.fits(value):
+                raise InvalidArgumentError(f"items[{index}] value must be a buffer of the pool's ({pool.size} bytes)")
             checked.append((key, value))
             continue
         if not isinstance(value, (bytes, bytearray, memoryview)):
@@ -252,7 +260,9 @@ class AsyncWriter:
         """True once :meth:`close` has begun; ``submit`` refuses entries from then on."""
         return self._closed
 
-    def submit(self, items: Sequence[tuple[str, bytes | bytearray]], *, pool: EntryPool | None = None) -> int:
+    def submit(
+        self, items: Sequence[tuple[str, bytes | bytearray | memoryview]], *, pool: EntryPool | None = None
+    ) -> int:
         """Queue entries for writing; returns how many were queued (keys already queued are skipped).
 
         Never waits for I/O: a full queue drops its oldest entry instead. Raises

@@ -93,11 +93,15 @@ class ConnectorSettings:
 
     def open_storage(self, *, writes: bool = True) -> StorageBackend:
         """A new connection to the configured store. ``writes=False``: for a connector half that only looks
-        up (the scheduler's), a file store skips indexing the directory at start-up."""
+        up (the scheduler's), a file store skips indexing the directory at start-up and does not demand
+        that it be writable; a half that saves gets a :class:`ConfigError` naming a directory it cannot
+        write, at start, instead of serving with every save failing."""
         if self.storage == "redis":
             from kvblocks.tiers.redis_storage import RedisStorage
 
             return RedisStorage(self.redis_url)
         from kvblocks.tiers.file_storage import FileStorage
 
-        return FileStorage(os.path.expanduser(self.path), byte_budget=self.byte_budget, index_existing=writes)
+        return FileStorage(
+            os.path.expanduser(self.path), byte_budget=self.byte_budget, index_existing=writes, check_writable=writes
+        )

@@ -107,6 +107,8 @@ def test_a_recovering_engine_leaves_only_the_reference_kv_in_a_shared_store(
     for name in ("load_blocks", "load_failed_blocks", "save_blocks", "save_withheld_blocks"):
         assert seen.get(f"vllm:kvblocks_{name}", 0) == stats["worker"][name], name
     assert stats["worker"]["save_withheld_blocks"] > 0
+    log = (tmp_path / "b.log").read_text()
+    assert "corrupt storage entries" in log  # kvblocks' warnings print where vLLM's do
 
     unsound, drift = [], 0.0
     for key, path in entries(store).items():

@@ -146,6 +146,7 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        log_like_vllm()
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         self.format = describe_format(vllm_config, kv_cache_config, self.settings.salt)
@@ -306,6 +307,22 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self.tier.close()
+
+
+def log_like_vllm() -> None:
+    """Give kvblocks' log lines vLLM's handlers, where the application configured none for kvblocks.
+
+    kvblocks only adds a ``NullHandler`` (a library's manners), and vLLM configures its own ``vllm`` logger with
+    propagation off and leaves the root logger bare: inside vLLM, kvblocks' warnings (corrupt entries removed,
+    failed writes) would print nowhere. A connector is vLLM's guest, so its lines go where vLLM's go.
+    """
+    ours, theirs = logging.getLogger("kvblocks"), logging.getLogger("vllm")
+    if any(not isinstance(h, logging.NullHandler) for h in ours.handlers) or logging.getLogger().handlers:
+        return  # the application decided where kvblocks' lines go
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
 
 
 def _step_of(out: Any) -> tuple[list[Scheduled], tuple[str, ...]]:

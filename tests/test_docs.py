@@ -82,11 +82,16 @@ def test_the_documented_serve_line_and_llm_form_name_the_real_connector_with_val
         assert ConnectorSettings.from_extra_config(config["kv_connector_extra_config"]).path == "/mnt/kv"
 
 
-def test_the_vllm_page_documents_every_connector_setting_storage_choices_hits_and_the_stats_placeholder() -> None:
+def test_the_vllm_page_documents_every_connector_setting_storage_choices_hits_and_counter() -> None:
     page = VLLM_PAGE.read_text()
-    rows = set(re.findall(r"^\| `(\w+)` \| ", page, re.MULTILINE))
+    settings_part = page.split("## Connector statistics", 1)[0]
+    rows = set(re.findall(r"^\| `(\w+)` \| ", settings_part, re.MULTILINE))
     assert rows == {f.name for f in fields(ConnectorSettings)}
     for example in re.findall(r"`(\{\"(?:path|storage)\".*?\})`", page):  # the storage table's examples
         ConnectorSettings.from_extra_config(json.loads(example))
     for needed in ("vllm:external_prefix_cache_hits", "External prefix cache hit rate", "## Connector statistics"):
         assert needed in page, needed
+    from kvblocks.integrations.vllm.worker import COUNTERS
+
+    section = page.split("## Connector statistics", 1)[1]
+    assert set(re.findall(r"^\| `(\w+)` \| ", section, re.MULTILINE)) == set(COUNTERS)  # every counter, no other

@@ -50,8 +50,8 @@ from kvblocks.hashing import Namespace
 from kvblocks.integrations.vllm.kv_format import VllmKVFormat
 from kvblocks.integrations.vllm.planner import Scheduled, StepPlan, TransferPlanner
 from kvblocks.integrations.vllm.settings import ConnectorSettings
-from kvblocks.integrations.vllm.stats import COUNTERS, KVBlocksConnectorStats, KVBlocksPromMetrics
-from kvblocks.integrations.vllm.worker import ConnectorStats, ConnectorWorker, Reduce, WorkerReport
+from kvblocks.integrations.vllm.stats import KVBlocksConnectorStats, KVBlocksPromMetrics
+from kvblocks.integrations.vllm.worker import COUNTERS, ConnectorStats, ConnectorWorker, Reduce, WorkerReport
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.storage_tier import StorageTier
 

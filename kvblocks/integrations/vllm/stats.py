@@ -15,25 +15,12 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvblocks.integrations.vllm.worker import COUNTERS
+
 __all__ = ["COUNTERS", "METRIC_PREFIX", "KVBlocksConnectorStats", "KVBlocksPromMetrics"]
 
 METRIC_PREFIX = "vllm:kvblocks_"
 """Every counter's Prometheus name is this prefix and its :data:`COUNTERS` key (``_total`` in the exposition)."""
-
-COUNTERS: dict[str, str] = {
-    "load_blocks": "Blocks loaded from the store into vLLM's KV cache, sound.",
-    "load_failed_blocks": "Blocks vLLM expected loaded that did not arrive sound (reported to vLLM, recomputed).",
-    "save_blocks": "Blocks copied out of vLLM's KV cache and queued for the store.",
-    "save_failed_blocks": "Blocks whose save failed before reaching the writer.",
-    "save_withheld_blocks": "Blocks not saved because their context held a load that failed (computed over wrong KV).",
-    "plan_errors": "Connector calls on the scheduler that failed and were answered safely (no hit, no save).",
-    "loads_missing": "Stored entries found absent when read.",
-    "loads_corrupt": "Stored entries found damaged when read (removed from the store).",
-    "loads_wrong_key": "Sound entries found under another block's key (removed from the store).",
-    "writes_dropped": "Saves the background writer dropped because its queue was full.",
-    "write_errors": "Entries the store failed to write.",
-}
-"""Every counter the connector reports, with its meaning (the Prometheus help text)."""
 
 
 @dataclass

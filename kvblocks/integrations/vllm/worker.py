@@ -34,9 +34,24 @@ from kvblocks.integrations.vllm.provenance import Root
 from kvblocks.integrations.vllm.transfer import load_run, save_run
 from kvblocks.tiers.storage_tier import StorageTier
 
-__all__ = ["ConnectorStats", "ConnectorWorker", "LoadRecord", "WorkerReport"]
+__all__ = ["COUNTERS", "ConnectorStats", "ConnectorWorker", "LoadRecord", "WorkerReport"]
 
 _log = logging.getLogger("kvblocks.integrations.vllm")
+
+COUNTERS: dict[str, str] = {
+    "load_blocks": "Blocks loaded from the store into vLLM's KV cache, sound.",
+    "load_failed_blocks": "Blocks vLLM expected loaded that did not arrive sound (reported to vLLM, recomputed).",
+    "save_blocks": "Blocks copied out of vLLM's KV cache and queued for the store.",
+    "save_failed_blocks": "Blocks whose save failed before reaching the writer.",
+    "save_withheld_blocks": "Blocks not saved because their context held a load that failed (computed over wrong KV).",
+    "plan_errors": "Connector calls on the scheduler that failed and were answered safely (no hit, no save).",
+    "loads_missing": "Stored entries found absent when read.",
+    "loads_corrupt": "Stored entries found damaged when read (removed from the store).",
+    "loads_wrong_key": "Sound entries found under another block's key (removed from the store).",
+    "writes_dropped": "Saves the background writer dropped because its queue was full.",
+    "write_errors": "Entries the store failed to write.",
+}
+"""Every counter the connector reports, with its meaning (the Prometheus help text)."""
 
 Reduce = Callable[[list[int]], list[int]]
 """Element-wise maximum of a list of 0/1 flags across the tensor-parallel ranks (every rank calls it with a list
@@ -195,7 +210,7 @@ class ConnectorWorker:
         return errors
 
     def counters(self) -> dict[str, int]:
-        """Every counter the connector publishes (:data:`kvblocks.integrations.vllm.stats.COUNTERS`), cumulative."""
+        """Every counter the connector publishes (:data:`COUNTERS`), cumulative."""
         tier, writer = self.tier.stats, self.tier.writer.stats
         return {
             **self.stats.counters(),

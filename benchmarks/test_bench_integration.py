@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 import torch
 import transformers
 
-import kvblocks.integrations.transformers as integration
+import kvblocks.integrations.transformers.attention as integration  # where the paged attention looks its K/V I/O up
 from kvblocks.integrations.transformers import PagedGenerator
 
 BATCH = 16

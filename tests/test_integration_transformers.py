@@ -6,6 +6,7 @@ The reference is ``model.generate`` (greedy, EOS disabled) with transformers' ow
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import random
@@ -56,11 +57,37 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     ),
 }
 
+# Learned absolute positions; the attention call gets no extra keyword arguments (GPT-2, GPT-BigCode), a causal
+# mask the model builds itself (OPT), or comes from a class without ``_supports_attention_backend`` (GPT-BigCode,
+# BioGPT). Wider initial weights than the default: the greedy tokens of the tiny models vary.
+GPT2_SIZES: dict[str, Any] = dict(
+    vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=256, initializer_range=0.3
+)
+LEARNED_SIZES: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256
+)
+LEARNED_POSITIONS: dict[str, Callable[[], Any]] = {
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_SIZES)),
+    # a scale only GPT-2's eager attention applies (its sdpa ignores it): the reference runs eager
+    "gpt2-inverse-layer-scale": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(**GPT2_SIZES, scale_attn_by_inverse_layer_idx=True, attn_implementation="eager")
+    ),
+    # multi-query attention: one K/V head for 4 query heads
+    "gpt_bigcode": lambda: transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(**GPT2_SIZES)),
+    # its own causal mask
+    "opt": lambda: transformers.OPTForCausalLM(
+        transformers.OPTConfig(**LEARNED_SIZES, ffn_dim=64, word_embed_proj_dim=32)
+    ),
+    "biogpt": lambda: transformers.BioGptForCausalLM(
+        transformers.BioGptConfig(**LEARNED_SIZES, intermediate_size=64, initializer_range=0.3, scale_embedding=False)
+    ),
+}
+
 
 @functools.cache
 def model(family: str) -> Any:
     torch.manual_seed(0)
-    built = FAMILIES[family]().eval()
+    built = {**FAMILIES, **LEARNED_POSITIONS}[family]().eval()
     built.generation_config.eos_token_id = None  # EOS disabled: every run makes max_new_tokens tokens
     return built
 
@@ -122,7 +149,7 @@ def work(prompts: list[list[int]], max_new_tokens: int) -> int:
 # ---------------------------------------------------------------------------------------------- outputs
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(LEARNED_POSITIONS))
 def test_greedy_tokens_and_logits_match_generate_with_hits_equal_to_skipped_tokens(family: str) -> None:
     prompts = shared_prefix_prompts()
     gen, steps = checked(family, num_blocks=64, block_size=4, max_running=2, max_batch_tokens=16)
@@ -149,7 +176,7 @@ def test_the_layer_kinds_pick_the_manager() -> None:
         assert not isinstance(PagedGenerator(model(family), num_blocks=8, block_size=4).manager, HybridKVCacheManager)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", *sorted(LEARNED_POSITIONS)])
 def test_a_pool_that_holds_one_request_but_not_all_gives_the_same_tokens(family: str) -> None:
     rng = random.Random(1)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(9, 14))] for _ in range(4)]
@@ -441,6 +468,9 @@ def test_the_paged_attention_refuses_a_forward_outside_the_generator() -> None:
 # ---------------------------------------------------------------------------------------------- canaries
 
 
+CANARY_CONTEXT: contextvars.ContextVar[object] = contextvars.ContextVar("kvblocks_canary", default=None)
+
+
 @pytest.fixture
 def recorded() -> Any:
     """An attention implementation that records what each call received and defers to eager attention."""
@@ -448,11 +478,18 @@ def recorded() -> Any:
 
     def record(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
         calls.append(
-            {"layer": module.layer_idx, "mask": attention_mask, "query": query.shape, "key": key.shape, **kwargs}
+            {
+                "layer": module.layer_idx,
+                "mask": attention_mask,
+                "query": query.shape,
+                "key": key.shape,
+                "context": CANARY_CONTEXT.get(),
+                **kwargs,
+            }
         )
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, scaling=kwargs["scaling"])
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, scaling=kwargs.get("scaling"))
 
     transformers.AttentionInterface.register("kvblocks_canary", record)
     yield calls
@@ -469,12 +506,19 @@ def run_with(family: str, implementation: str, **kwargs: Any) -> Any:
         built.config._attn_implementation = previous
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_canary_extra_keyword_arguments_reach_the_attention_function(family: str, recorded: Any) -> None:
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(LEARNED_POSITIONS))
+def test_canary_a_context_variable_set_around_the_forward_reaches_every_layers_attention_call(
+    family: str, recorded: Any
+) -> None:
+    """The step travels this way (GPT-2 and GPT-BigCode drop extra keyword arguments of ``model(...)``)."""
     marker = object()
-    run_with(family, "kvblocks_canary", kvblocks_step=marker, position_ids=torch.tensor([[7, 8, 9, 10, 11]]))
+    token = CANARY_CONTEXT.set(marker)
+    try:
+        run_with(family, "kvblocks_canary", position_ids=torch.tensor([[7, 8, 9, 10, 11]]))
+    finally:
+        CANARY_CONTEXT.reset(token)
     assert [c["layer"] for c in recorded] == [0, 1]
-    assert all(c["kvblocks_step"] is marker for c in recorded)
+    assert all(c["context"] is marker for c in recorded)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -1,35 +1,4 @@
-"""Run a Hugging Face transformers CausalLM on kvblocks' paged KV cache (``pip install "kvblocks[transformers]"``).
-
-:class:`PagedGenerator` serves greedy generation the way an engine does: continuous batching
-(every step is one forward pass over the running sequences' new tokens -- prefill chunks and
-decode tokens packed into one row, positions given explicitly), prefix caching across requests
-and across calls, and preemption with recomputation when the pool runs short::
-
-    step     packed tokens (positions)           what each sequence does
-    1        a0..a5 | b0..b3                      a and b prefill (b hit 4 cached tokens: b4..b7 run)
-    2        a6 | b8 | c4..c9                     a and b decode, c is admitted and prefills
-
-The model's attention modules call the attention function registered here as ``"kvblocks"``
-(transformers' ``AttentionInterface``): it writes the step's new K/V into their slots of a
-kvblocks ``KVCache`` and attends over each sequence's context read back through its block
-table -- the step's tensors from :class:`~kvblocks.attention.StepMetadataBuilder`, the K/V
-through :func:`~kvblocks.attention.write_kv` and :func:`~kvblocks.attention.gather_kv`. Everything else -- projections,
-rotary embeddings, q/k norms, biases, GQA, the MLP -- stays the model's own code, so the
-outputs are the model's.
-
-Layers follow the config: full attention, or a sliding window (Mistral's ``sliding_window``,
-``layer_types`` of Qwen2/Qwen3/Gemma-like models). A model whose layers all share one kind keeps
-one cache (every block kept; the window is applied when attending); a model mixing full and
-sliding layers gets a :class:`~kvblocks.hybrid.HybridKVCacheManager` with a sliding-window
-group whose blocks are released once no later token attends to them. Other layer kinds (linear
-attention, chunked attention), encoder-decoder models and models whose attention does not go
-through the attention interface are refused with :class:`~kvblocks.errors.ConfigError`.
-
-With ``tiers=TierConfig(...)`` (models whose layers are all of one kind) the manager is a
-:class:`~kvblocks.tiers.TieredKVCacheManager`: every step runs its copies with a
-:class:`~kvblocks.tiers.TransferExecutor` before the forward pass, and a request admitted with
-host or storage hits joins the forward passes once its copies landed.
-"""
+"""PagedGenerator: greedy generation for a transformers CausalLM, continuous batching over kvblocks blocks."""
 
 from __future__ import annotations
 
@@ -41,226 +10,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvblocks.errors import (
-    BackendUnavailableError,
-    ConfigError,
-    InvalidArgumentError,
-    InvalidTokenError,
-)
+import torch
 
-try:
-    import torch
-    from transformers import AttentionInterface
-except ImportError as missing:  # one message naming the extra, as the torch backends give
-    raise BackendUnavailableError(
-        f'kvblocks.integrations.transformers needs torch and transformers: pip install "kvblocks[transformers]" '
-        f"({missing})"
-    ) from missing
-
-from kvblocks.attention import StepMetadata, StepMetadataBuilder, gather_kv, write_kv
-from kvblocks.backends import KVCacheSpec, get_backend
+from kvblocks.attention import StepMetadataBuilder
+from kvblocks.backends import get_backend
 from kvblocks.backends.cache import KVCache
+from kvblocks.errors import ConfigError, InvalidArgumentError, InvalidTokenError
 from kvblocks.hashing import DEFAULT_SCHEME
 from kvblocks.hybrid import HybridKVCacheManager, LocalGroup
+from kvblocks.integrations.transformers.attention import Step, kvblocks_attention, step_scope
+from kvblocks.integrations.transformers.inspection import model_layout
+from kvblocks.integrations.transformers.layout import FULL_GROUP
 from kvblocks.manager import KVCacheManager
 from kvblocks.tiers import EntryFormat, TierConfig, TieredKVCacheManager
 from kvblocks.tiers.executor import TransferExecutor
-
-__all__ = ["ATTENTION_NAME", "PagedGenerator", "entry_format"]
-
-ATTENTION_NAME = "kvblocks"
-"""The name the paged attention function is registered under in transformers' ``AttentionInterface``."""
-
-STEP_KWARG = "kvblocks_step"
-"""The keyword argument that carries a step's metadata from ``model(...)`` to the attention function."""
-
-FULL_GROUP, WINDOW_GROUP = 0, 1
-
-
-# ---------------------------------------------------------------------------------------------- layout
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Which cache and which layer of it each model layer uses, and each layer's window (None: full)."""
-
-    windows: tuple[int | None, ...]
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-
-    @property
-    def hybrid(self) -> bool:
-        """Full and sliding layers mixed: two groups, each with its own cache and table."""
-        return len(set(self.windows)) > 1
-
-    @property
-    def window(self) -> int | None:
-        """The one sliding window of the model (None: no sliding layer)."""
-        sizes = {w for w in self.windows if w is not None}
-        return sizes.pop() if sizes else None
-
-    def group_of(self, layer: int) -> int:
-        return WINDOW_GROUP if self.hybrid and self.windows[layer] is not None else FULL_GROUP
-
-    def group_layers(self, group: int) -> list[int]:
-        return [layer for layer in range(len(self.windows)) if self.group_of(layer) == group]
-
-    def index_in_group(self, layer: int) -> int:
-        return self.group_layers(self.group_of(layer)).index(layer)
-
-    @property
-    def groups(self) -> list[int]:
-        return [FULL_GROUP, WINDOW_GROUP] if self.hybrid else [FULL_GROUP]
-
-    def spec(self, group: int, block_size: int) -> KVCacheSpec:
-        return KVCacheSpec(
-            num_layers=len(self.group_layers(group)),
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            block_size=block_size,
-            layout="NHD",
-        )
-
-    @classmethod
-    def of(cls, config: Any, dtype: torch.dtype) -> _Layout:
-        """The layout a model config asks for; a ConfigError for what the integration cannot serve."""
-        if getattr(config, "is_encoder_decoder", False):
-            raise ConfigError("PagedGenerator serves decoder-only models; this one is an encoder-decoder")
-        layers = config.num_hidden_layers
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(_windows(config, layers), kv_heads, head_dim, str(dtype).removeprefix("torch."))
-
-
-def _windows(config: Any, layers: int) -> tuple[int | None, ...]:
-    """Each layer's sliding window from ``layer_types`` (or one ``sliding_window`` for every layer)."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if not types:
-        return (window,) * layers
-    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-    if unknown:
-        raise ConfigError(f"PagedGenerator serves full and sliding-window attention layers, not {unknown}")
-    if "sliding_attention" in types and not window:
-        raise ConfigError("the config has sliding_attention layers but no sliding_window")
-    return tuple(window if kind == "sliding_attention" else None for kind in types[:layers])
-
-
-def entry_format(model: torch.nn.Module, block_size: int = 16) -> EntryFormat:
-    """The header of ``model``'s stored blocks: ``TierConfig(entry_format=...)`` for a generator with storage.
-
-    Derived from the config (layers, KV heads, head size, dtype) and the block size, as the
-    generator's cache; a stored entry of another model shape fails it and is a miss.
-    """
-    config = getattr(model, "config", None)
-    if not isinstance(model, torch.nn.Module) or config is None:
-        raise ConfigError(f"entry_format needs a transformers model, got {type(model).__name__}")
-    layout = _Layout.of(config, next(model.parameters()).dtype)
-    if layout.hybrid:
-        raise ConfigError("PagedGenerator serves tiers only for models whose layers are all of one kind")
-    return EntryFormat.for_spec(layout.spec(FULL_GROUP, block_size), DEFAULT_SCHEME)
-
-
-# ---------------------------------------------------------------------------------------------- attention
-
-
-@dataclass(frozen=True, eq=False)
-class _Step:
-    """What every layer's attention call of one forward pass shares: the step's kvblocks metadata
-    (valid for this step only), the caches, and the per-sequence offsets as host ints (no device sync per layer)."""
-
-    layout: _Layout
-    caches: Sequence[KVCache]
-    meta: StepMetadata
-    starts: list[int]  # each sequence's first new position (its committed line)
-    query_starts: list[int]  # where each sequence's new tokens start in the packed row; num_seqs + 1
-
-
-def _paged_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention signature over paged KV: write the new K/V, attend over each context.
-
-    ``query`` is ``[1, heads, tokens, head_dim]``, ``key``/``value`` ``[1, kv_heads, tokens,
-    head_dim]`` for the packed tokens of every sequence; the output is ``[1, tokens, heads, head_dim]``.
-    """
-    step = kwargs.get(STEP_KWARG)
-    if not isinstance(step, _Step):
-        raise ConfigError(
-            f"the {ATTENTION_NAME!r} attention runs inside PagedGenerator (no {STEP_KWARG} reached it); "
-            "set the model's attention implementation back to call the model directly"
-        )
-    if attention_mask is not None:
-        raise ConfigError("transformers built an attention mask for the kvblocks attention; it relies on none")
-    layer: int = module.layer_idx  # type: ignore[assignment]
-    layout = step.layout
-    window = layout.windows[layer]
-    if (kwargs.get("sliding_window") or None) != window:
-        raise ConfigError(
-            f"layer {layer} attends with sliding_window={kwargs.get('sliding_window')!r}, "
-            f"but its config says {window!r}"
-        )
-    group = layout.group_of(layer)  # the builder's groups are (0,) or (0, 1): FULL_GROUP, WINDOW_GROUP
-    cache = step.caches[group]
-    index = layout.index_in_group(layer)
-    dtype = cache.spec.torch_dtype()
-    new_keys, new_values = key[0].transpose(0, 1).to(dtype), value[0].transpose(0, 1).to(dtype)
-    write_kv(cache, index, step.meta.slot_mappings[group], new_keys, new_values)
-    table = step.meta.block_tables[group]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
-    for seq, start in enumerate(step.starts):
-        lo, hi = step.query_starts[seq], step.query_starts[seq + 1]
-        first = max(0, start - window + 1) if window else 0
-        keys, values = gather_kv(cache, index, table[seq], start + hi - lo, start=first)
-        context = torch.arange(first, start + hi - lo, device=query.device)
-        positions = step.meta.positions[lo:hi]
-        out[lo:hi] = _attend(query[0, :, lo:hi], keys, values, context, positions, window, scale, kwargs.get("softcap"))
-    return out.unsqueeze(0), None
-
-
-def _attend(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor | None,
-    key_positions: torch.Tensor,
-    positions: torch.Tensor,
-    window: int | None,
-    scale: float,
-    softcap: float | None,
-) -> torch.Tensor:
-    """One sequence's attention: ``query`` ``[heads, n, dim]`` at ``positions`` over its context ``keys``/``values``
-    ``[context, kv_heads, dim]`` at ``key_positions``; ``[n, heads, dim]``."""
-    if values is None:  # pragma: no cover - the generator's caches always hold V
-        raise ConfigError("the kvblocks attention needs a cache with values")
-    repeat = query.shape[0] // keys.shape[1]
-    k = keys.transpose(0, 1).repeat_interleave(repeat, dim=0).to(query.dtype)
-    v = values.transpose(0, 1).repeat_interleave(repeat, dim=0).to(query.dtype)
-    scores = torch.matmul(query, k.transpose(1, 2)) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    visible = key_positions[None, :] <= positions[:, None]
-    if window:
-        visible &= key_positions[None, :] > positions[:, None] - window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(probs, v).transpose(0, 1)
-
-
-AttentionInterface.register(ATTENTION_NAME, _paged_attention)
-
-
-# ---------------------------------------------------------------------------------------------- generator
 
 
 @dataclass(eq=False)
@@ -319,21 +82,13 @@ class PagedGenerator:
         tiers: TierConfig | None = None,
         namespace: str = "default",
     ) -> None:
-        config = getattr(model, "config", None)
-        if not isinstance(model, torch.nn.Module) or config is None:
-            raise ConfigError(f"PagedGenerator needs a transformers model, got {type(model).__name__}")
-        if not getattr(type(model), "_supports_attention_backend", False):
-            raise ConfigError(
-                f"{type(model).__name__}'s attention does not go through transformers' attention interface"
-            )
         for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        parameter = next(model.parameters())
+        self.layout = model_layout(model)  # refuses a model its attention cannot serve, naming the class
         self.model = model
-        self._config: Any = config
-        self.layout = _Layout.of(config, parameter.dtype)
-        self.device = parameter.device
+        self._config: Any = model.config
+        self.device = next(model.parameters()).device
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.after_step = after_step
@@ -416,14 +171,11 @@ class PagedGenerator:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16) -> list[list[int]]:
         """The ``max_new_tokens`` greedy tokens after each prompt (no stop token), in prompt order."""
         requests = self._requests(prompts, max_new_tokens)
-        config = self._config
-        previous = config._attn_implementation
-        config._attn_implementation = ATTENTION_NAME
         waiting: deque[_Request] = deque(requests)
         running: list[_Request] = []
         try:
             self._probe(requests)
-            with torch.inference_mode():
+            with torch.inference_mode(), kvblocks_attention(self._config):
                 while waiting or running:
                     chunks = self._schedule(running, waiting)
                     self._transfer(running, chunks)
@@ -432,7 +184,6 @@ class PagedGenerator:
                     if self.after_step is not None:
                         self.after_step(self)
         finally:
-            config._attn_implementation = previous
             for request in requests:  # an error mid-way: give every block back
                 if request.registered:
                     self.manager.free(request.seq_id)
@@ -638,14 +389,14 @@ class PagedGenerator:
         starts = [r.computed for r in batch]
         meta = self._builder.build([r.seq_id for r in batch], counts)
         query_starts = list(itertools.accumulate(counts, initial=0))
-        step = _Step(self.layout, self.caches, meta, starts, query_starts)
+        step = Step(self.layout, self.caches, meta, starts, query_starts)
         tokens = [t for r, s, n in zip(batch, starts, counts) for t in r.tokens[s : s + n]]
-        output = self.model(
-            input_ids=torch.tensor([tokens], device=self.device),
-            position_ids=meta.positions.unsqueeze(0),
-            use_cache=False,
-            **{STEP_KWARG: step},
-        )
+        with step_scope(step):
+            output = self.model(
+                input_ids=torch.tensor([tokens], device=self.device),
+                position_ids=meta.positions.unsqueeze(0),
+                use_cache=False,
+            )
         logits = output.logits[0]
         self.computed_tokens += len(tokens)
         for request, n, end in zip(batch, counts, query_starts[1:]):

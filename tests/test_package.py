@@ -177,6 +177,7 @@ MISSING_EXTRAS = {  # extra -> (modules it installs, a call that needs them)
     "zmq": (("zmq", "msgspec"), "kvblocks.interop.zmq_events.ZmqEventPublisher('tcp://127.0.0.1:0')"),
     "vllm": (("vllm",), "kvblocks.integrations.vllm.KVBlocksConnector"),
     "plot": (("matplotlib",), "kvblocks.cli._plotter('curve.png')"),
+    "transformers": (("transformers",), "import_module('kvblocks.integrations.transformers')"),
 }
 
 

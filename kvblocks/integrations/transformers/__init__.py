@@ -41,15 +41,14 @@ host or storage hits joins the forward passes once its copies landed.
 
 from __future__ import annotations
 
-from kvblocks.errors import BackendUnavailableError
+from kvblocks.errors import MissingExtraError
 
 try:
     import torch  # noqa: F401  (the modules below need both; one message names the extra)
     import transformers  # noqa: F401
-except ImportError as missing:  # one message naming the extra, as the torch backends give
-    raise BackendUnavailableError(
-        f'kvblocks.integrations.transformers needs torch and transformers: pip install "kvblocks[transformers]" '
-        f"({missing})"
+except ImportError as missing:  # one message naming the extra, as every optional dependency gives
+    raise MissingExtraError(
+        "kvblocks.integrations.transformers needs torch and transformers", "transformers", str(missing)
     ) from missing
 
 from kvblocks.integrations.transformers.attention import ATTENTION_NAME

@@ -163,3 +163,50 @@ class FloorManager:
             ref[b] -= 1
             if ref[b] == 0:
                 free.append(b)
+
+
+class PreviousPlanner:
+    """The vLLM connector's scheduler-side save planning as the last release did it (``TransferPlanner.scheduled``
+    and ``take_loads`` before issue 29): per scheduled request, the whole real blocks its step fills, minus
+    those stored or planned lately -- no provenance, no guards. What ``TransferPlanner.plan_step`` is compared
+    against: the cost of never saving a block computed over a failed load."""
+
+    def __init__(self, is_known, block_size: int, recent_saves: int = 1 << 16) -> None:  # type: ignore[no-untyped-def]
+        self.is_known = is_known
+        self.block_size = block_size
+        self.recent_saves = recent_saves
+        self.requests: dict[Hashable, list] = {}  # request -> [hashes, block ids, num saved]
+        self.planned: dict[bytes, None] = {}
+        self.loads: list[tuple[Hashable, tuple[bytes, ...], tuple[int, ...]]] = []
+
+    def allocated(
+        self, request_id: Hashable, hashes: Sequence[bytes], block_ids: Sequence[int], first: int, stop: int
+    ) -> None:
+        self.requests[request_id] = [hashes, list(block_ids), stop]
+        self.loads.append((request_id, tuple(hashes[first:stop]), tuple(block_ids[first:stop])))
+
+    def step(self, scheduled: Sequence[tuple[Hashable, int, int, Sequence[int] | None, Sequence[int]]]) -> list:
+        loads, self.loads = self.loads, []
+        saves = []
+        for request_id, computed, new, table, more in scheduled:
+            tracked = self.requests[request_id]
+            if table is not None:
+                tracked[1] = list(table)
+            tracked[1].extend(more)
+            hashes, ids, start = tracked
+            full = min(len(hashes), (computed + new) // self.block_size, len(ids))
+            if full <= start:
+                continue
+            tracked[2] = full
+            picked = [
+                (h, ids[i])
+                for i, h in enumerate(hashes[start:full], start)
+                if h not in self.planned and not self.is_known(h)
+            ]
+            for h, _ in picked:
+                self.planned[h] = None
+            while len(self.planned) > self.recent_saves:
+                del self.planned[next(iter(self.planned))]
+            if picked:
+                saves.append((request_id, tuple(h for h, _ in picked), tuple(b for _, b in picked)))
+        return [loads, saves]

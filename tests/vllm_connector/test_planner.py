@@ -129,7 +129,7 @@ def test_allocated_blocks_become_one_load_of_exact_ids() -> None:
     assert plan.loads == (BlockRun("a", tuple(h[1:5]), (3, 9, 11, 2)),) and plan.failed == ()
     # the loaded blocks are not saved again; block 5 is, once the step fills it -- computed over this step's
     # loads, whose outcome the scheduler does not know yet: they are its guard (block 7 is a local hit)
-    roots = frozenset((plan.step, b) for b in (3, 9, 11, 2))
+    roots = frozenset({(plan.step, 0, 4)})  # all four blocks of the step's first load run must arrive
     assert plan.saves == (BlockRun("a", (h[5],), (5,), (roots,)),)
     assert step(planner).loads == ()
 

@@ -17,41 +17,44 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvblocks.integrations.vllm.planner import BlockRun, Scheduled, StepPlan, TransferPlanner
-from kvblocks.integrations.vllm.provenance import BAD, BlockProvenance
+from kvblocks.integrations.vllm.provenance import BAD, BlockProvenance, merge_roots
 from kvblocks.integrations.vllm.worker import LoadRecord, WorkerReport
 from tests.vllm_connector.test_planner import FakeIndex, chain
 
 # ------------------------------------------------------------------ the rules
 
 
-def test_a_load_is_its_own_root_until_its_step_is_confirmed() -> None:
+def test_a_load_run_is_its_blocks_root_until_its_step_is_confirmed() -> None:
     p = BlockProvenance()
-    p.loaded(7, [1, 2])
-    p.wrote([9], p.roots_of(1) | p.roots_of(2))
-    assert p.roots_of(9) == {(7, 1), (7, 2)} and not p.clean
-    p.confirm(6, [1])  # another step's report changes nothing here
-    assert p.roots_of(9) == {(7, 1), (7, 2)}
-    p.confirm(7, [])
+    p.loaded(7, [[1, 2]])
+    assert p.roots_of(1) == {(7, 0, 1)} and p.roots_of(2) == {(7, 0, 2)}  # block j needs the run's first j + 1
+    p.wrote([9], merge_roots([p.roots_of(1), p.roots_of(2)]))
+    assert p.roots_of(9) == {(7, 0, 2)} and not p.clean
+    p.confirm(6, [0])  # another step's report changes nothing here
+    assert p.roots_of(9) == {(7, 0, 2)}
+    p.confirm(7, [2])
     assert p.clean
 
 
 def test_what_depends_on_a_failed_load_is_bad_and_the_rest_clean() -> None:
     p = BlockProvenance()
-    p.loaded(3, [1, 2, 3])
-    p.wrote([10, 11], frozenset({(3, 1), (3, 2)}))
-    p.wrote([12], frozenset({(3, 3)}))
-    p.confirm(3, [2])
-    assert [p.is_bad(b) for b in (1, 2, 3, 10, 11, 12)] == [False, True, False, True, True, False]
+    p.loaded(3, [[1, 2, 3], [4]])
+    p.wrote([10, 11], merge_roots([p.roots_of(1), p.roots_of(2)]))
+    p.wrote([12], p.roots_of(1))
+    p.wrote([13], p.roots_of(4))
+    p.confirm(3, [1, 1])  # run 0 stopped at its second block (2 and 3 reported failed); run 1 arrived whole
+    assert [p.is_bad(b) for b in (1, 2, 3, 4, 10, 11, 12, 13)] == [False, True, True, False, True, True, False, False]
     assert p.roots_of(2) == {BAD} and p.roots_of(12) == frozenset()
+    assert p.clean is False and len(p) == 4
 
 
 def test_a_bad_block_is_clean_once_rewritten_over_a_clean_context_reloaded_or_handed_out_new() -> None:
     p = BlockProvenance()
     p.failed([1, 2, 3])
     p.wrote([1], frozenset())
-    p.loaded(4, [2])
+    p.loaded(4, [[2]])
     p.fresh([3])
-    assert not p.is_bad(1) and p.roots_of(2) == {(4, 2)} and not p.is_bad(3)
+    assert not p.is_bad(1) and p.roots_of(2) == {(4, 0, 1)} and not p.is_bad(3)
     p.wrote([5], frozenset({BAD}))
     assert p.is_bad(5)
 
@@ -59,8 +62,8 @@ def test_a_bad_block_is_clean_once_rewritten_over_a_clean_context_reloaded_or_ha
 def test_the_scan_finds_only_tainted_positions() -> None:
     p = BlockProvenance()
     assert p.tainted_positions([1, 2, 3], 0, 3) == []
-    p.loaded(1, [2])
-    assert p.tainted_positions([1, 2, 3, 2], 0, 4) == [(1, frozenset({(1, 2)})), (3, frozenset({(1, 2)}))]
+    p.loaded(1, [[2]])
+    assert p.tainted_positions([1, 2, 3, 2], 0, 4) == [(1, frozenset({(1, 0, 1)})), (3, frozenset({(1, 0, 1)}))]
     assert p.tainted_positions([1, 2, 3, 2], 2, 3) == []
 
 
@@ -80,16 +83,15 @@ def test_the_issues_step_withholds_every_save_computed_over_a_failed_load() -> N
     r0 = Scheduled("r0", 24, 17, block_ids=list(range(1, 11)))
     r1 = Scheduled("r1", 32, 9, block_ids=[*range(1, 9), 11, 12])
     plan = planner.plan_step([r0, r1], hashes={"r1": h1})
-    loads = frozenset((plan.step, b) for b in range(1, 7))
+    loads = frozenset({(plan.step, 0, 6)})  # every block of the one load run
     assert plan.loads == (BlockRun("r0", tuple(h0[:6]), (1, 2, 3, 4, 5, 6)),)
     assert plan.saves == (
         BlockRun("r0", tuple(h0[6:10]), (7, 8, 9, 10), (loads,) * 4),
         BlockRun("r1", tuple(h1[8:10]), (11, 12), (loads,) * 2),
     )
     record = LoadRecord()
-    record.note(plan.step, [2, 3, 4, 5, 6])  # the leading run stops at block 1
-    failed = record.failed_roots(loads)
-    assert failed == {(plan.step, b) for b in (2, 3, 4, 5, 6)}  # the worker withholds all six saves
+    record.note(plan.step, [1])  # the leading run stops at block 1: one block arrived
+    assert record.failed_roots(loads) == loads  # the worker withholds all six saves
     planner.confirm({plan.step: {2, 3, 4, 5, 6}}, [("r0", h) for h in h0[6:10]] + [("r1", h) for h in h1[8:10]])
     assert all(planner.provenance.is_bad(b) for b in (2, 7, 10, 11, 12)) and not planner.provenance.is_bad(1)
     # vLLM: r0 recomputes from block 1, r1 re-runs its step beside it (the same forward pass writes first)
@@ -201,14 +203,17 @@ class ConnectorMachine(RuleBasedStateMachine):
 
     def _load(self, plan: StepPlan) -> list[int]:
         failed: list[int] = list(plan.failed)
+        arrived = []
         for run in plan.loads:
-            ok = True
+            ok, count = True, 0
             for h, b in zip(run.hashes, run.block_ids, strict=True):
                 ok = ok and self.sound.get(CHAIN.index(h), False)
                 self.truth[b] = ok  # a failed load is poisoned: never sound
+                count += ok
                 if not ok:
                     failed.append(b)
-        self.record.note(plan.step, failed)
+            arrived.append(count)
+        self.record.note(plan.step, arrived)
         self.record.forget_before(plan.oldest_pending)
         return failed
 

@@ -76,8 +76,8 @@ def test_a_step_whose_loads_all_land_is_still_confirmed(worker: ConnectorWorker)
 def test_a_save_guarded_by_a_failed_load_is_withheld_from_that_block_on(worker: ConnectorWorker) -> None:
     worker.load(StepPlan(loads=(BlockRun("r", (b"\x09" * 32,), (0,)),), step=5, oldest_pending=5))  # absent: fails
     assert worker.take_load_errors() == {0}
-    clean, guarded = frozenset(), frozenset({(5, 0)})
-    other_load = frozenset({(5, 3)})  # a load of this step that did not fail (none was planned into 3: unknown)
+    clean, guarded = frozenset(), frozenset({(5, 0, 1)})
+    other_load = frozenset({(5, 1, 1)})  # a second run of this step: none was planned, so unknown
     plan = StepPlan(
         saves=(
             BlockRun("r", tuple(HASHES[:3]), (1, 2, 3), (clean, guarded, guarded)),
@@ -92,13 +92,14 @@ def test_a_save_guarded_by_a_failed_load_is_withheld_from_that_block_on(worker: 
     assert worker.stats.save_blocks == 2 and worker.stats.save_withheld_blocks == 2
     report = worker.report()
     assert report is not None and report.withheld == (("r", HASHES[1]), ("r", HASHES[2]))
-    assert LoadRecord().failed_roots(other_load) == {(5, 3)}  # a step never noted: taken for failed
+    assert worker.record.failed_roots(other_load) == other_load  # a run never noted: taken for failed
+    assert LoadRecord().failed_roots(guarded) == guarded  # a step never noted: taken for failed
 
 
 def test_a_guard_of_loads_that_landed_saves_and_an_unregistered_worker_does_nothing(worker: ConnectorWorker) -> None:
     _store(worker, kv(3), HASHES[:1])
     worker.load(StepPlan(loads=(BlockRun("r", (HASHES[0],), (0,)),), step=2, oldest_pending=2))
-    plan = StepPlan(saves=(BlockRun("r", (HASHES[1],), (1,), (frozenset({(2, 0)}),)),), step=2, oldest_pending=2)
+    plan = StepPlan(saves=(BlockRun("r", (HASHES[1],), (1,), (frozenset({(2, 0, 1)}),)),), step=2, oldest_pending=2)
     worker.save(plan)
     assert worker.stats.save_blocks == 1 and worker.stats.save_withheld_blocks == 0
     idle = ConnectorWorker(worker.tier)
@@ -108,29 +109,35 @@ def test_a_guard_of_loads_that_landed_saves_and_an_unregistered_worker_does_noth
 
 def test_the_record_forgets_confirmed_steps_and_takes_unknown_ones_for_failed() -> None:
     record = LoadRecord(keep_steps=2)
-    record.note(1, [4])
+    record.note(1, [2, 5])
     record.note(2, [])
-    assert record.failed_roots([(1, 4), (1, 5), (2, 4)]) == {(1, 4)}
-    record.note(3, [])  # keeps two steps: step 1 is gone
-    assert record.failed_roots([(1, 5), (3, 1)]) == {(1, 5)}
+    assert record.failed_roots([(1, 0, 2), (1, 0, 3), (1, 1, 5), (1, 2, 1), (2, 0, 1)]) == {
+        (1, 0, 3),
+        (1, 2, 1),
+        (2, 0, 1),
+    }
+    record.note(3, [1])  # keeps two steps: step 1 is gone
+    assert record.failed_roots([(1, 0, 1), (3, 0, 1)]) == {(1, 0, 1)}
     record.forget_before(3)
-    assert record.failed_roots([(2, 4), (3, 1)]) == {(2, 4)}
+    assert record.failed_roots([(2, 0, 0), (3, 0, 1)]) == {(2, 0, 0)}
     with pytest.raises(ConfigError):
         LoadRecord(keep_steps=0)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    failed=st.lists(st.sets(st.integers(0, 5)), min_size=2, max_size=4),
-    roots=st.sets(st.tuples(st.just(1), st.integers(0, 5))),
+    arrived=st.lists(st.lists(st.integers(0, 4), min_size=3, max_size=3), min_size=2, max_size=4),
+    roots=st.sets(st.tuples(st.just(1), st.integers(0, 2), st.integers(1, 4))),
 )
-def test_ranks_agree_a_load_failed_when_it_failed_on_any(failed: list[set[int]], roots: set[tuple[int, int]]) -> None:
+def test_ranks_agree_a_load_failed_when_it_failed_on_any(
+    arrived: list[list[int]], roots: set[tuple[int, int, int]]
+) -> None:
     """Tensor parallelism: each rank's record, combined by an element-wise maximum (what the TP group's all-reduce
     computes), names exactly the roots that failed somewhere -- the same set on every rank."""
     records = []
-    for blocks in failed:
+    for counts in arrived:
         record = LoadRecord()
-        record.note(1, blocks)
+        record.note(1, counts)
         records.append(record)
     flags_by_rank: list[list[int]] = []
 
@@ -142,7 +149,7 @@ def test_ranks_agree_a_load_failed_when_it_failed_on_any(failed: list[set[int]],
         record.failed_roots(roots, gather)
     combined = [max(column) for column in zip(*flags_by_rank, strict=True)] if roots else []
     verdicts = [record.failed_roots(roots, lambda _flags: combined) for record in records]
-    expected = {root for root in roots if any(root[1] in blocks for blocks in failed)}
+    expected = {root for root in roots if any(counts[root[1]] < root[2] for counts in arrived)}
     assert all(verdict == expected for verdict in verdicts)
 
 

@@ -37,11 +37,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvblocks.errors import ConfigError, InvalidArgumentError
 from kvblocks.hashing import BlockHash
-from kvblocks.integrations.vllm.provenance import BAD, BlockProvenance, Root
+from kvblocks.integrations.vllm.provenance import BAD, BlockProvenance, Root, merge_roots
 
 __all__ = ["BlockRun", "Scheduled", "StepPlan", "StorageIndex", "TransferPlanner"]
 
@@ -94,9 +94,9 @@ class StepPlan:
     oldest_pending: int = 0
 
 
-@dataclass(frozen=True)
-class Scheduled:
-    """One request in a step, as vLLM's scheduler output has it (plain values)."""
+class Scheduled(NamedTuple):
+    """One request in a step, as vLLM's scheduler output has it (plain values; a tuple: one is made per running
+    request per step)."""
 
     request_id: str
     num_computed: int
@@ -114,7 +114,7 @@ class Scheduled:
 class _Tracked:
     """One request the planner follows, from its match to its end."""
 
-    __slots__ = ("block_ids", "context", "end", "hashes", "matched_from", "num_saved")
+    __slots__ = ("block_ids", "clean_at", "context", "end", "hashes", "matched_from", "num_saved")
 
     def __init__(self, hashes: Sequence[BlockHash]) -> None:
         self.hashes = hashes  # the request's own list: it grows as tokens are generated
@@ -123,31 +123,27 @@ class _Tracked:
         self.matched_from: int | None = None  # the num_computed_tokens of the last answered match
         self.end = 0  # tokens computed once the last scheduled step ran
         self.context: _Context | None = None  # the provenance of its table's leading blocks, as last scanned
+        self.clean_at = -1  # the provenance epoch at which its context was last found clean (-1: not clean)
 
 
 class _Context:
     """The provenance of a request's leading blocks ``[0, stop)`` as scanned at provenance epoch ``epoch``:
-    ``marks`` are (position, roots of every block up to it) where those roots grow."""
+    ``marks`` are (position, roots) of its blocks that are not clean, in position order."""
 
-    __slots__ = ("epoch", "marks", "stop")
+    __slots__ = ("epoch", "marks", "roots", "stop")
 
     def __init__(self, epoch: int, stop: int, marks: list[tuple[int, frozenset[Root]]]) -> None:
         self.epoch = epoch
         self.stop = stop
         self.marks = marks
+        self.roots: frozenset[Root] = merge_roots(roots for _, roots in marks) if marks else frozenset()
+        """The roots of the blocks ``[0, stop)`` together (empty: all clean)."""
 
     def roots_through(self, position: int) -> frozenset[Root]:
-        """Every root of the blocks at positions ``<= position`` (empty: all clean)."""
-        roots: frozenset[Root] = frozenset()
-        for at, cumulative in self.marks:
-            if at > position:
-                break
-            roots = cumulative
-        return roots
-
-    @property
-    def roots(self) -> frozenset[Root]:
-        return self.marks[-1][1] if self.marks else frozenset()
+        """The roots of the blocks at positions ``<= position`` together."""
+        if not self.marks or self.marks[-1][0] <= position:
+            return self.roots
+        return merge_roots(roots for at, roots in self.marks if at <= position)
 
 
 class _Work:
@@ -200,7 +196,7 @@ class TransferPlanner:
         self.provenance = BlockProvenance()
         self._step = 0
         self._undelivered: tuple[tuple[BlockRun, ...], tuple[int, ...]] = ((), ())
-        self._pending: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # step -> its loads' blocks, unreported
+        self._pending: OrderedDict[int, tuple[tuple[int, ...], ...]] = OrderedDict()  # step -> its load runs
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -297,18 +293,57 @@ class TransferPlanner:
         self._undelivered = (loads, failed)
         provenance = self.provenance
         if loads:
-            blocks = tuple(b for run in loads for b in run.block_ids)
-            provenance.loaded(step, blocks)
-            self._pending[step] = blocks
+            runs = tuple(run.block_ids for run in loads)
+            provenance.loaded(step, runs)
+            self._pending[step] = runs
         if failed:
             provenance.failed(failed)
         self._expire(step)
-        epoch = provenance.epoch
+        epoch = now = provenance.epoch
         named = hashes or {}
-        work = [w for request in scheduled if (w := self._enter(request, named.get(request.request_id))) is not None]
+        requests = self._requests
+        size = self.block_size
+        traced: list[_Work] = []  # entered, or whose context is not known clean: their writes carry roots
+        candidates: list[tuple[Scheduled, _Tracked, int]] = []  # requests that fill a block to save, in order
+        fresh = provenance.fresh
+        for request in scheduled:
+            request_id, computed, num_new, num_drafts, table, new_ids = request
+            tracked = requests.get(request_id)
+            if tracked is None:
+                known = named.get(request_id)
+                if known is None:
+                    continue  # never matched, no hashes: nothing of it is saved
+                tracked = requests[request_id] = _Tracked(known)
+            if table is not None:  # new or resumed: a table from vLLM's prefix cache, and fresh blocks
+                tracked.block_ids = list(table)
+                fresh(tracked.block_ids[-(-computed // size) :])
+                clean = provenance.clean
+                tracked.context = _Context(now, 0, []) if clean else None
+                tracked.clean_at = now if clean else -1
+                traced.append(_Work(request, tracked, size, True))
+            else:
+                if new_ids:
+                    tracked.block_ids.extend(new_ids)
+                    fresh(new_ids)
+                if computed < tracked.end:
+                    now = provenance.epoch = now + 1  # it recomputes blocks it computed before: others may hold them
+                if tracked.clean_at != now:
+                    traced.append(_Work(request, tracked, size, False))
+            end = tracked.end = computed + num_new
+            full = (end - num_drafts) // size
+            if full > tracked.num_saved:  # a block filled (if the table and the hashes reach it)
+                full = min(full, len(tracked.hashes), len(tracked.block_ids))
+                if full > tracked.num_saved:
+                    candidates.append((request, tracked, full))
         if not provenance.clean:
-            self._trace(work, rescan_all=provenance.epoch != epoch)
-        saves = [run for w in work if (run := self._saves(w)) is not None]
+            if now != epoch:  # a rewrite: every context may have changed
+                traced = [
+                    _Work(request, tracked, size, request.block_ids is not None)
+                    for request in scheduled
+                    if (tracked := requests.get(request.request_id)) is not None
+                ]
+            self._trace(traced, rescan_all=now != epoch)
+        saves = [run for request, tracked, full in candidates if (run := self._saves(request, tracked, full))]
         self._undelivered = ((), ())
         return StepPlan(loads, tuple(saves), failed, step, next(iter(self._pending), step + 1))
 
@@ -325,28 +360,6 @@ class TransferPlanner:
         self.provenance.epoch += 1
         step = self._step = self._step + 1
         return StepPlan(loads, (), failed, step, next(iter(self._pending), step + 1))
-
-    def _enter(self, request: Scheduled, hashes: Sequence[BlockHash] | None) -> _Work | None:
-        """Update ``request``'s table and note which of its blocks vLLM handed out new (None: a request the
-        planner does not follow -- never matched, no hashes given)."""
-        tracked = self._requests.get(request.request_id)
-        if tracked is None:
-            if hashes is None:
-                return None
-            tracked = self._requests[request.request_id] = _Tracked(hashes)
-        size = self.block_size
-        entered = request.block_ids is not None
-        if entered:
-            tracked.block_ids = [int(b) for b in request.block_ids or ()]
-            fresh: Sequence[int] = tracked.block_ids[-(-request.num_computed // size) :]
-        else:
-            fresh = [int(b) for b in request.new_block_ids]
-            tracked.block_ids.extend(fresh)
-        self.provenance.fresh(fresh)
-        if request.num_computed < tracked.end and not entered:
-            self.provenance.epoch += 1  # it recomputes blocks it had computed: others may hold them
-        tracked.end = request.num_computed + request.num_new
-        return _Work(request, tracked, size, entered)
 
     def _trace(self, work: list[_Work], *, rescan_all: bool) -> None:
         """Give every block this step writes the roots of its writer's context (see the provenance module).
@@ -398,33 +411,32 @@ class TransferPlanner:
             start = cached.stop
         else:
             start = 0
-        marks: list[tuple[int, frozenset[Root]]] = []
-        cumulative: frozenset[Root] = frozenset()
-        for position, roots in provenance.tainted_positions(table, start, stop):
-            if not roots <= cumulative:
-                cumulative = cumulative | roots
-                marks.append((position, cumulative))
+        marks = provenance.tainted_positions(table, start, stop)
         context = tracked.context = _Context(provenance.epoch, stop, marks)
+        tracked.clean_at = -1 if marks else provenance.epoch
         return context
 
-    def _saves(self, w: _Work) -> BlockRun | None:
-        """The blocks of ``w``'s request to save after this step: whole, real, not stored, not planned lately,
-        not over a bad context; each with its guard where its context awaits a load's outcome."""
-        tracked, request = w.tracked, w.request
-        real_end = request.num_computed + request.num_new - request.num_drafts
-        full = min(len(tracked.hashes), real_end // self.block_size, len(tracked.block_ids))
+    def _saves(self, request: Scheduled, tracked: _Tracked, full: int) -> BlockRun | None:
+        """The blocks of ``request`` to save after this step (up to ``full``): whole, real, not stored, not planned
+        lately, not over a bad context; each with its guard where its context awaits a load's outcome."""
         start = tracked.num_saved
-        if full <= start:
-            return None
-        context = None if self.provenance.clean else tracked.context  # scanned by _trace this step
+        context = None if self.provenance.clean or tracked.context is None else tracked.context
+        if context is not None and not context.marks:
+            context = None  # clean: nothing to guard
+        write_start = request.num_computed // self.block_size
+        read_last = write_start - (0 if request.num_computed % self.block_size else 1)
         is_known = self.index.is_known
         planned = self._planned
         picked: list[tuple[BlockHash, int, frozenset[Root]]] = []
         stop = full
+        no_roots: frozenset[Root] = frozenset()
         for i in range(start, full):
-            roots = frozenset() if context is None else context.roots_through(min(i, w.read_stop - 1))
-            if context is not None and i >= w.write_start:
+            if context is None:
+                roots = no_roots
+            elif i >= write_start:
                 roots = context.roots  # written this step over the whole context
+            else:
+                roots = context.roots_through(min(i, read_last))
             if BAD in roots:
                 stop = i  # saved once vLLM recomputes it over a clean context
                 break
@@ -447,8 +459,11 @@ class TransferPlanner:
         """The workers' report: ``failed[step]`` are the block ids whose load in ``step`` failed (every step that
         loaded is named, failures or not); ``dropped`` the saves they withheld (request id, hash)."""
         for step, blocks in sorted(failed.items()):
-            self.provenance.confirm(step, blocks)
-            self._pending.pop(step, None)
+            runs = self._pending.pop(step, None)
+            if runs is not None:
+                lost = set(blocks)
+                arrived = [next((j for j, b in enumerate(run) if b in lost), len(run)) for run in runs]
+                self.provenance.confirm(step, arrived)
             if blocks:
                 self.load_failed(blocks)
         for request_id, h in dropped:
@@ -466,7 +481,7 @@ class TransferPlanner:
         on them is never saved; the store's index keeps them, a later read checks them anyway)."""
         pending = self._pending
         while pending and (oldest := next(iter(pending))) <= step - EXPIRE_STEPS:
-            self.provenance.confirm(oldest, pending.pop(oldest))
+            self.provenance.confirm(oldest, [0] * len(pending.pop(oldest)))
 
     def load_failed(self, block_ids: Iterable[int]) -> int:
         """The workers could not load ``block_ids`` (vLLM recomputes them): the index forgets their hashes and
@@ -495,6 +510,7 @@ class TransferPlanner:
         if tracked is not None:
             tracked.block_ids = []
             tracked.context = None
+            tracked.clean_at = -1
             tracked.end = 0
         self._probes.pop(request_id, None)
 

@@ -99,36 +99,37 @@ class WorkerReport:
 
 
 class LoadRecord:
-    """The outcome of the recent steps' loads on this worker, for resolving save guards.
+    """The outcome of the recent steps' loads on this worker, for resolving save guards: per step, how many
+    leading blocks of each load run arrived sound.
 
-    A root of a step never noted (or forgotten) counts as failed: a save is only ever kept for a load known
-    to have succeeded.
+    A root of a step never noted (or forgotten) counts as failed: a save is only ever kept for loads known to
+    have succeeded.
     """
 
     def __init__(self, keep_steps: int = 256) -> None:
         if isinstance(keep_steps, bool) or not isinstance(keep_steps, int) or keep_steps < 1:
             raise ConfigError(f"keep_steps must be an int >= 1, got {keep_steps!r}")
-        self._failed: OrderedDict[int, frozenset[int]] = OrderedDict()
+        self._arrived: OrderedDict[int, tuple[int, ...]] = OrderedDict()
         self._keep = keep_steps
 
-    def note(self, step: int, failed: Iterable[int]) -> None:
-        """Step ``step``'s loads ran; ``failed`` are the blocks that did not arrive sound."""
-        self._failed[step] = frozenset(failed)
-        while len(self._failed) > self._keep:
-            self._failed.popitem(last=False)
+    def note(self, step: int, arrived: Iterable[int]) -> None:
+        """Step ``step``'s loads ran; ``arrived[r]`` leading blocks of its load run ``r`` arrived sound."""
+        self._arrived[step] = tuple(arrived)
+        while len(self._arrived) > self._keep:
+            self._arrived.popitem(last=False)
 
     def forget_before(self, step: int) -> None:
         """No guard names a step before ``step`` any more (the scheduler has their outcomes)."""
-        while self._failed and next(iter(self._failed)) < step:
-            self._failed.popitem(last=False)
+        while self._arrived and next(iter(self._arrived)) < step:
+            self._arrived.popitem(last=False)
 
     def failed_roots(self, roots: Iterable[Root], reduce: Reduce | None = None) -> set[Root]:
-        """Of ``roots``, those whose load failed (here, or with ``reduce``, on any rank)."""
+        """Of ``roots``, those whose loads failed (here, or with ``reduce``, on any rank)."""
         ordered = sorted(set(roots))
         flags = []
-        for step, block in ordered:
-            known = self._failed.get(step)
-            flags.append(int(known is None or block in known))
+        for step, run, count in ordered:
+            known = self._arrived.get(step)
+            flags.append(int(known is None or run >= len(known) or known[run] < count))
         if reduce is not None and ordered:
             flags = reduce(flags)
         return {root for root, flag in zip(ordered, flags, strict=True) if flag}
@@ -151,6 +152,7 @@ class ConnectorWorker:
     def load(self, plan: StepPlan) -> None:
         """Run ``plan``'s loads; poison and record every block that did not arrive sound."""
         failed = list(plan.failed)
+        arrived = []
         for run in plan.loads:
             usable = 0
             try:
@@ -161,13 +163,14 @@ class ConnectorWorker:
                 self.stats.note_error(f"load: {error!r}")
                 _log.exception("kvblocks connector: loading %d blocks failed", len(run.block_ids))
             self.stats.load_blocks += usable
+            arrived.append(usable)
             failed.extend(run.block_ids[usable:])
         self.stats.load_failed_blocks += len(failed)
         if failed:
             self._poison(failed)
             self._load_errors.update(failed)
         if plan.loads or plan.failed:
-            self.record.note(plan.step, failed)
+            self.record.note(plan.step, arrived)
             self._reported[plan.step] = frozenset(failed)
         self.record.forget_before(plan.oldest_pending)
 

@@ -50,7 +50,7 @@ def parse(data: object) -> Any:
         raise StrictJSONError(f"expected bytes, got {type(data).__name__}")
     try:
         text = data if isinstance(data, str) else bytes(data).decode("utf-8")
-        return json.loads(text.removeprefix("\ufeff"), object_pairs_hook=_object, parse_constant=_constant)
+        return json.loads(text, object_pairs_hook=_object, parse_constant=_constant)
     except StrictJSONError:
         raise
     except RecursionError:  # Python's words for it name the decoder's internals

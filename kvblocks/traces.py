@@ -203,6 +203,11 @@ def _lines(handle: IO[str], name: str) -> Iterator[tuple[int, str]]:
         yield number, line
 
 
+_ENCODING = "utf-8-sig"
+"""UTF-8, a leading byte order mark skipped: editors on Windows write one; it belongs to the file, not to JSON
+(wire payloads, read by :mod:`kvblocks.strict_json`, refuse it)."""
+
+
 def _parse(handle: IO[str], name: str) -> Trace:
     requests: list[TraceRequest] = []
     kind: str | None = None
@@ -238,12 +243,12 @@ def load_trace(source: str | Path) -> Trace:
         raise TraceFormatError(f"{_show(text)}: not a usable path ({e})") from None
     if not exists and text in BUNDLED_TRACES:
         data = resources.files("kvblocks.data").joinpath(BUNDLED_TRACES[text]).read_bytes()
-        return _parse(io.TextIOWrapper(gzip.GzipFile(fileobj=io.BytesIO(data)), "utf-8"), text)
+        return _parse(io.TextIOWrapper(gzip.GzipFile(fileobj=io.BytesIO(data)), _ENCODING), text)
     try:
         if path.suffix == ".gz":
-            with gzip.open(path, "rt", encoding="utf-8") as handle:
+            with gzip.open(path, "rt", encoding=_ENCODING) as handle:
                 return _parse(handle, text)
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding=_ENCODING) as handle:
             return _parse(handle, text)
     except TraceFormatError:
         raise

@@ -189,7 +189,7 @@ _DOCS: dict[str, str] = {
     "(last use) to eviction.",
     "kvblocks_swaps": "Block copies between device and host (out: device to host), by outcome.",
     "kvblocks_host_writes_dropped": "Blocks that were to be copied to host but found no host block to take.",
-    "kvblocks_storage_reads": "Blocks read from storage, by outcome (incompatible: another spec's entry; "
+    "kvblocks_storage_reads": "Blocks read from storage, by outcome (corrupt: damaged, removed; "
     "wrong_key: an entry written under another key, removed; cancelled: not read, the admission went away).",
     "kvblocks_storage_reads_requested": "Blocks admissions asked storage for.",
     "kvblocks_storage_writes": "Storage entries to write, by outcome (dropped: queue full or left at close; "

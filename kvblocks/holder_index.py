@@ -18,19 +18,34 @@ one probe per block::
 
 Exactness. The bisection trusts two facts, and checks for both:
 
-* *The worker is prefix-closed.* Each worker's *orphans* -- blocks it holds without their recorded parent
-  -- are counted exactly, update by update: a block stored before its parent is one, and removing a block
-  makes orphans of the worker's own children under it (its count in the block's kid vector; another
-  worker's children under it are no hole of this one's). A worker with orphans is *suspect* and its run
-  is found by a plain scan; it is trusted again the moment its count returns to 0 (the parent arrives,
-  the orphans go, or it clears).
-* *The prompt is one chain.* Each probed block's recorded parent must be the prompt's block before it
-  (a chained hash fixes every hash before it, so an honest prompt always passes). A probe that fails the
-  check makes the whole walk a plain scan.
+* *The worker is prefix-closed.* Each worker's *orphans* -- blocks it holds without the parent *it*
+  stated for them -- are counted exactly, update by update: a block stored before its parent is one, and
+  removing a block makes orphans of the worker's own children under it (its count in the block's kid
+  vector; another worker's children under it are no hole of this one's). A worker with orphans is
+  *suspect* and its run is found by a plain scan; it is trusted again the moment its count returns to 0
+  (the parent arrives, the orphans go, or it clears).
+* *The prompt is one chain.* Each probed block's parent, as every worker the walk trusts there stated
+  it, must be the prompt's block before it (a chained hash fixes every hash before it, so an honest
+  prompt always passes). A probe that fails the check makes the whole walk a plain scan.
 
-Keys. An int hash in ``[0, 2**64)`` (vLLM's and SGLang's event forms, ``xxh3-64-1337``) is its own key;
-any other hash (bytes digests, wider ints) is folded to 64 bits by xxh3-64 under a per-index random seed,
-so folded keys collide only by chance (2**-64 a pair), never by construction.
+Parent links are per worker. A row keeps the parent its first writer stated; a worker that states
+another one for the same block (a lie, or the truth against an earlier lie) has it kept beside the row
+(``_stated``, flagged in the row), and its orphans, kid counts and link checks use its own. So no
+worker's events change another worker's run: an honest worker's run is exact whatever the others send,
+and a worker's false links can only mislead the walk about that worker itself (whose own claims it
+cannot check anyway).
+
+Keys and placement. An int hash in ``[0, 2**64)`` (vLLM's and SGLang's event forms, ``xxh3-64-1337``) is
+its own key; any other hash (bytes digests, wider ints) is folded to 64 bits by xxh3-64 under a per-index
+random seed, so folded keys collide only by chance (2**-64 a pair), never by construction. Every key is
+placed by multiply-shift hashing under a per-index secret, a random odd multiplier from :mod:`secrets`:
+``(key * mult mod 2**64) >> shift``, a universal family (two keys share a home slot with probability at
+most 2 / capacity, whichever keys a sender picks), so a sender who cannot see the secret cannot aim keys
+at one cluster. The probe length is bounded too: an insert whose probe runs more than ``probe_limit``
+slots past its home (the secret leaked, or rare bad luck: random keys stay under ~250 at 10M rows) first
+rebuilds the table under a fresh secret, redrawn until no run of occupied slots is longer than the limit.
+So no row ever sits farther than the limit from its home, and a long cluster lasts only until the next
+insert that crosses it. Results never depend on the placement.
 """
 
 from __future__ import annotations
@@ -44,20 +59,26 @@ from typing import Generic, TypeVar
 import numpy as np
 import xxhash
 
-from kvblocks.errors import IntegrityError, InvalidBlockHashError
+from kvblocks.errors import IntegrityError, InvalidArgumentError, InvalidBlockHashError
 from kvblocks.hashing import BlockHash
 
 __all__ = ["HolderIndex"]
 
 M64 = (1 << 64) - 1
-_GOLD = 0x9E3779B97F4A7C15  # Fibonacci hashing: the key times 2**64/phi, top bits taken
+PROBE_LIMIT = 512  # the farthest a row may sit past its home slot (honest tables: <~250 at 10M rows)
 _MAX_LOAD = 0.75  # rows plus tombstones, of the table's capacity
 _PAD = 64  # slack after the last home slot: probes run forward, never wrap
 _WIDE_INT_SEED = 0x5BD1E9955BD1E995  # ints wider than 64 bits fold under another seed than bytes
 _EMPTY, _TOMB = 0, -1  # ids[slot]: 0 empty, -1 deleted, > 0 the row's holder-mask id
+_OWN = 2  # has_parent[slot] flag: some holder stated another parent than the row's (bit 0: it has one)
 
 
 V = TypeVar("V", int, tuple[int, ...])
+
+
+def _secret_multiplier() -> int:
+    """A random odd multiplier, from the OS's randomness: senders cannot predict placement."""
+    return secrets.randbits(64) | 1
 
 
 class _Interned(Generic[V]):
@@ -148,6 +169,22 @@ def _count(planes: tuple[int, ...], b: int) -> int:
     return count
 
 
+def _longest_cluster(pos: np.ndarray) -> int:
+    """The longest run of consecutive slots among the sorted, distinct ``pos``."""
+    if not len(pos):
+        return 0
+    breaks = np.flatnonzero(np.diff(pos) != 1)
+    edges = np.concatenate(([-1], breaks, [len(pos) - 1]))
+    return int(np.diff(edges).max())
+
+
+def _mask(bits: Iterable[int]) -> int:
+    mask = 0
+    for bit in bits:
+        mask |= 1 << bit
+    return mask
+
+
 def _bits(mask: int) -> Iterator[int]:
     while mask:
         low = mask & -mask
@@ -171,10 +208,19 @@ class HolderIndex:
     (3, 2)
     >>> index.runs([1, 2, 3, 4], alive=0b11)  # (leading run, workers whose run it is)
     [(2, 2), (3, 1)]
+
+    ``probe_limit``: how far past its home slot an insert may probe before the table is rebuilt under a
+    fresh secret (tests lower it to exercise the rebuild).
     """
 
-    def __init__(self, capacity: int = 1024) -> None:
-        self._seed = secrets.randbits(64)
+    def __init__(self, capacity: int = 1024, *, probe_limit: int = PROBE_LIMIT) -> None:
+        if isinstance(probe_limit, bool) or not isinstance(probe_limit, int) or probe_limit < 1:
+            raise InvalidArgumentError(f"probe_limit must be an int >= 1, got {probe_limit!r}")
+        self.probe_limit = probe_limit
+        self._seed = secrets.randbits(64)  # folds non-int hashes; fixed for the index's life (keys keep it)
+        self._mult = _secret_multiplier()  # places keys; drawn again on every rehash
+        self._stated: dict[int, dict[int, int | None]] = {}  # key -> bit -> the parent that worker stated,
+        # where it is not the row's (see the module docstring)
         self._holders: _Interned[int] = _Interned(0)  # holder masks: id -> mask of worker bits
         self._kid_vectors: _Interned[tuple[int, ...]] = _Interned(())  # kid counts per worker (see _bump)
         self._pending_kids: dict[int, tuple[int, ...]] = {}  # kid vectors of keys that have no row
@@ -228,10 +274,14 @@ class HolderIndex:
             return [fold(h) for h in hashes]
         return packed.tolist()
 
+    def _home(self, key: int) -> int:
+        """The slot where ``key``'s probe starts."""
+        return ((key * self._mult) & M64) >> self._shift
+
     def _find(self, key: int) -> int:
         """The slot of ``key``'s row, or -1."""
         ids, keys = self._ids, self._keys
-        i = ((key * _GOLD) & M64) >> self._shift
+        i = self._home(key)
         while True:
             v = ids[i]
             if v > 0:
@@ -257,16 +307,28 @@ class HolderIndex:
         self._rehash(capacity)
 
     def _rehash(self, capacity: int) -> None:
-        """Rebuild at ``capacity`` without tombstones. Rows sorted by home slot are placed at
-        ``max(home, previous + 1)``: a cumulative max, so the whole rebuild is a few numpy passes."""
+        """Rebuild at ``capacity`` (or more) without tombstones, under a fresh placement secret. Rows sorted
+        by home slot are placed at ``max(home, previous + 1)``: a cumulative max, so the whole rebuild is a
+        few numpy passes. A placement with a run of occupied slots longer than the probe limit is drawn
+        again (every fourth draw at twice the capacity), so that right after it every probe, of a key
+        present or not, ends within the limit."""
         ids = np.frombuffer(self._ids, dtype=np.int32)
         live = np.flatnonzero(ids > 0)
         keys = np.frombuffer(self._keys, dtype=np.uint64)[live]
-        shift = np.uint64(64 - (capacity.bit_length() - 1))
-        home = ((keys * np.uint64(_GOLD)) >> shift).astype(np.int64)
-        order = np.argsort(home, kind="stable")
-        rank = np.arange(len(order), dtype=np.int64)
-        pos = np.maximum.accumulate(home[order] - rank) + rank if len(order) else rank
+        attempt = 0
+        while True:
+            attempt += 1
+            mult = _secret_multiplier()
+            shift = np.uint64(64 - (capacity.bit_length() - 1))
+            home = ((keys * np.uint64(mult)) >> shift).astype(np.int64)
+            order = np.argsort(home, kind="stable")
+            rank = np.arange(len(order), dtype=np.int64)
+            pos = np.maximum.accumulate(home[order] - rank) + rank if len(order) else rank
+            if _longest_cluster(pos) <= self.probe_limit:
+                break
+            if not attempt % 4:
+                capacity *= 2
+        self._mult = mult
         columns = [
             (keys[order], "Q", np.uint64),
             (np.frombuffer(self._parents, dtype=np.uint64)[live][order], "Q", np.uint64),
@@ -286,6 +348,16 @@ class HolderIndex:
         self._cap = capacity
         self._shift = 64 - (capacity.bit_length() - 1)
         self._used = self._live
+
+    def _reseeded_slot(self, key: int) -> int:
+        """An insert of ``key`` probed past the limit (its secret leaked, or rare bad luck): rebuild under
+        a fresh secret and return the empty slot where ``key`` goes now (within the limit: see _rehash)."""
+        self._rehash(self._cap)
+        ids = self._ids
+        slot = self._home(key)
+        while ids[slot]:
+            slot += 1
+        return slot
 
     # ------------------------------------------------------------------ kid vectors and orphans
 
@@ -334,6 +406,7 @@ class HolderIndex:
         planes_of, kid_refs, kid_dead = vectors.values, vectors.refs, vectors.dead
         ids, kids, parents, has_parent = self._ids, self._kids, self._parents, self._has_parent
         table_keys, pending, shift = self._keys, self._pending_kids, self._shift
+        mult, limit, stated = self._mult, self.probe_limit, self._stated
         parent_slot, parent_held = -1, False  # the slot of the chain's previous block; whether bit holds it
         if parent is not None:
             parent_slot = self._find(parent)
@@ -342,7 +415,7 @@ class HolderIndex:
         bumps: dict[int, int] = {}  # old kid-vector id -> new (one more pair of bit's), memoised likewise
         added = orphans = 0
         for key in keys:  # one probe finds the row, or where a new one goes (_find, inlined)
-            slot = ((key * _GOLD) & M64) >> shift
+            slot = home = ((key * mult) & M64) >> shift
             tomb = -1
             while True:
                 old = ids[slot]
@@ -360,6 +433,12 @@ class HolderIndex:
                     continue
             else:
                 old = 0
+                if slot - home > limit:  # a cluster this long is no accident: scatter it under a new secret
+                    slot, tomb = self._reseeded_slot(key), -1
+                    ids, kids, parents, has_parent = self._ids, self._kids, self._parents, self._has_parent
+                    table_keys, shift, mult = self._keys, self._shift, self._mult
+                    if parent is not None and parent_slot >= 0:
+                        parent_slot = self._find(parent)
                 if tomb >= 0:
                     slot = tomb
                 else:
@@ -391,9 +470,8 @@ class HolderIndex:
                     dead.append(old)
             refs[new] += 1
             ids[slot] = new
-            if has_parent[slot]:
-                recorded = parents[slot]
-                if recorded == parent and parent_slot >= 0:
+            if parent is not None:  # one pair more under the parent bit states (its row, or pending)
+                if parent_slot >= 0:
                     up = kids[parent_slot]
                     bumped = bumps.get(up)
                     if bumped is None:
@@ -404,12 +482,18 @@ class HolderIndex:
                             kid_dead.append(up)
                     kid_refs[bumped] += 1
                     kids[parent_slot] = bumped
-                    if not parent_held:
+                    if not parent_held and parent_slot != slot:  # (a block stated as its own parent holds it)
                         orphans += 1
-                else:  # not the chain's previous block: the recorded parent decides
-                    found = self._kid_moved(recorded, b, True)
+                else:
+                    found = self._kid_moved(parent, b, True)
                     if found < 0 or not masks[ids[found]] & b:
                         orphans += 1
+                if old and (parents[slot] != parent or not has_parent[slot] & 1):  # not the row's: bit's own
+                    stated.setdefault(key, {})[bit] = parent
+                    has_parent[slot] |= _OWN
+            elif old and has_parent[slot] & 1:
+                stated.setdefault(key, {})[bit] = None
+                has_parent[slot] |= _OWN
             added += 1
             parent, parent_slot, parent_held = key, slot, True
         holders.sweep()
@@ -432,11 +516,12 @@ class HolderIndex:
         planes_of, kid_refs, kid_dead = vectors.values, vectors.refs, vectors.dead
         ids, kids, parents, has_parent = self._ids, self._kids, self._parents, self._has_parent
         table_keys, pending, shift = self._keys, self._pending_kids, self._shift
+        mult = self._mult
         moves: dict[int, int] = {}  # old mask id -> new (0: no holder left), memoised as in add_keys
         drops: dict[int, int] = {}  # old kid-vector id -> new (one pair of bit's fewer)
         removed = orphans = 0
         for key in keys:  # _find, _kid_moved and the bit's drop, inlined: eviction events are the hot path
-            slot = ((key * _GOLD) & M64) >> shift
+            slot = ((key * mult) & M64) >> shift
             while True:
                 old = ids[slot]
                 if old > 0:
@@ -447,9 +532,12 @@ class HolderIndex:
                 slot += 1
             if old <= 0 or not masks[old] & b:
                 continue
-            if has_parent[slot]:  # one pair fewer under the parent (its row, or its pending vector)
-                up = parents[slot]
-                p = ((up * _GOLD) & M64) >> shift
+            if has_parent[slot] == 1:
+                up: int | None = parents[slot]
+            else:  # no parent, or holders that disagree on it
+                up = self._forget_stated(key, slot, bit) if has_parent[slot] else None
+            if up is not None:  # one pair fewer under the parent (its row, or its pending vector)
+                p = ((up * mult) & M64) >> shift
                 while True:
                     v = ids[p]
                     if v > 0:
@@ -505,6 +593,18 @@ class HolderIndex:
             self._orphaned(bit, orphans)
         return removed
 
+    def _forget_stated(self, key: int, slot: int, bit: int) -> int | None:
+        """The parent worker ``bit`` stated for ``key``'s row (which it leaves), its own or the row's."""
+        row = self._parents[slot] if self._has_parent[slot] & 1 else None
+        own = self._stated.get(key)
+        if own is None or bit not in own:
+            return row
+        up = own.pop(bit)
+        if not own:
+            del self._stated[key]
+            self._has_parent[slot] &= ~_OWN
+        return up
+
     def clear(self, bit: int) -> int:
         """Worker ``bit`` holds nothing any more. Returns how many blocks it held."""
         keys = self._keys
@@ -541,14 +641,15 @@ class HolderIndex:
         for slot in np.flatnonzero(np.frombuffer(ids, dtype=np.int32) > 0).tolist():
             yield keys[slot], masks[ids[slot]]
 
-    def _probes(self, hashes: Sequence[BlockHash]) -> tuple[Callable[[int], int], Callable[[int], bool]]:
-        """``probe(i)``: the holders of the prompt's block ``i``; ``linked(i)``: a held block ``i``'s
-        recorded parent is the prompt's block ``i - 1``. Both remember what they looked up."""
+    def _probes(self, hashes: Sequence[BlockHash]) -> tuple[Callable[[int], int], Callable[[int, int], bool]]:
+        """``probe(i)``: the holders of the prompt's block ``i``; ``linked(i, who)``: each worker of ``who``
+        (holders of block ``i``) stated the prompt's block ``i - 1`` as its parent. Both remember what they
+        looked up."""
         fold = self.fold
         masks, ids, parents, has_parent = self._holders.values, self._ids, self._parents, self._has_parent
         slots: dict[int, int] = {}  # probed position -> slot (-1: no row)
         folded: dict[int, int] = {}  # position -> key, for the positions probed or link-checked
-        keys, shift = self._keys, self._shift
+        keys, shift, mult = self._keys, self._shift, self._mult
 
         def key_at(i: int) -> int:
             key = folded.get(i)
@@ -561,7 +662,7 @@ class HolderIndex:
             slot = slots.get(i)
             if slot is None:
                 key = key_at(i)
-                slot = ((key * _GOLD) & M64) >> shift
+                slot = ((key * mult) & M64) >> shift
                 while True:
                     v = ids[slot]
                     if v > 0:
@@ -574,13 +675,22 @@ class HolderIndex:
                 slots[i] = slot
             return masks[ids[slot]] if slot >= 0 else 0
 
-        def linked(i: int) -> bool:  # held block i's recorded parent is the prompt's block i - 1
+        def linked(i: int, who: int) -> bool:  # every worker of who states block i - 1 as held block i's parent
             slot = slots[i]
             if not i:
                 return True
-            return has_parent[slot] == 1 and parents[slot] == key_at(i - 1)
+            flag = has_parent[slot]
+            if flag == 1:
+                return parents[slot] == key_at(i - 1)
+            return flag > 1 and self._stated_by_all(keys[slot], slot, key_at(i - 1), who)
 
         return probe, linked
+
+    def _stated_by_all(self, key: int, slot: int, parent: int, who: int) -> bool:
+        """Each worker of ``who`` stated ``parent`` as ``key``'s (a row whose holders disagree)."""
+        own = self._stated[key]
+        row = self._parents[slot] if self._has_parent[slot] & 1 else None
+        return all(own.get(bit, row) == parent for bit in _bits(who))
 
     def longest_run(self, hashes: Sequence[BlockHash], alive: int) -> tuple[int, int] | None:
         """The longest leading run any of ``alive`` holds, and the mask of the workers holding it, by
@@ -596,7 +706,7 @@ class HolderIndex:
         while hi - lo > 1:
             held = probe(mid) & alive
             if held:
-                if not linked(mid):
+                if not linked(mid, held):
                     return None
                 lo, top = mid, held
             else:
@@ -621,7 +731,7 @@ class HolderIndex:
         if min_run > 1 and cur:
             pos = min_run - 1
             cur &= probe(pos)
-            if cur and not linked(pos):
+            if cur and not linked(pos, cur):
                 return self._plain(probe, n, alive, min_run)
         while cur and pos < n:
             m = probe(pos) & cur
@@ -630,14 +740,14 @@ class HolderIndex:
                 cur = m
                 if not cur:
                     break
-            if not linked(pos):
+            if not linked(pos, cur):
                 return self._plain(probe, n, alive, min_run)
             # cur holds blocks ..pos; find the first block it does not all hold: the last block first
             # (a fully cached prompt ends here), then galloping from pos and bisecting
             lo, hi = pos, n
             if pos < n - 1:
                 if probe(n - 1) & cur == cur:
-                    if not linked(n - 1):
+                    if not linked(n - 1, cur):
                         return self._plain(probe, n, alive, min_run)
                     lo = n - 1
                 else:
@@ -647,13 +757,13 @@ class HolderIndex:
                         if probe(j) & cur != cur:
                             hi = j
                             break
-                        if not linked(j):
+                        if not linked(j, cur):
                             return self._plain(probe, n, alive, min_run)
                         lo, step = j, step * 2
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 if probe(mid) & cur == cur:
-                    if not linked(mid):
+                    if not linked(mid, cur):
                         return self._plain(probe, n, alive, min_run)
                     lo = mid
                 else:
@@ -706,13 +816,19 @@ class HolderIndex:
                 raise IntegrityError(f"holder index: row {slot} has mask id {v} not interned")
             if self._find(key) != slot:
                 raise IntegrityError(f"holder index: row {slot} is not found from its key")
+            if not 0 <= slot - self._home(key) <= self.probe_limit:
+                raise IntegrityError(f"holder index: row {slot} lies beyond the probe limit from its home")
             if key in self._pending_kids:
                 raise IntegrityError(f"holder index: row {slot} has a pending kid vector too")
-            parent = self._parents[slot] if self._has_parent[slot] else None
-            up = -1 if parent is None else self._find(parent)
-            parent_mask = holders.values[self._ids[up]] if up >= 0 else 0
+            recorded = self._parents[slot] if self._has_parent[slot] & 1 else None
+            own = self._stated.get(key, {})
+            if bool(own) != bool(self._has_parent[slot] & _OWN) or _mask(own) & ~mask or recorded in own.values():
+                raise IntegrityError(f"holder index: row {slot}'s stated parents are stale")
             for bit in _bits(mask):
                 held[bit] = held.get(bit, 0) + 1
+                parent = own.get(bit, recorded)
+                up = -1 if parent is None else self._find(parent)
+                parent_mask = holders.values[self._ids[up]] if up >= 0 else 0
                 if parent is not None:
                     under = kids.setdefault(parent, {})
                     under[bit] = under.get(bit, 0) + 1
@@ -732,3 +848,5 @@ class HolderIndex:
             raise IntegrityError("holder index: child counts are stale")
         if self._orphans != orphans or self.suspect != sum(1 << bit for bit in orphans):
             raise IntegrityError("holder index: orphan counts are stale")
+        if not all(self._stated.values()) or not set(self._stated) <= {self._keys[slot] for slot in live}:
+            raise IntegrityError("holder index: a stated parent is kept for a block without a row")

@@ -39,7 +39,9 @@ fully cached 2,048-block prompt costs a few dozen probes). A worker whose events
 block held without its parent: stored out of order, or its parent removed under it) is scanned block by
 block while any such block remains (the index counts them exactly), so the overlaps stay exact. Hashes
 must be chained (each fixes every hash before it), as every hash scheme makes them; the walk checks each
-probed block's parent against the prompt's block before it.
+probed block's parent against the prompt's block before it. Parent links are kept per worker: whatever
+parents one worker's events state (false ones included), they never change another worker's overlap.
+Where a key lands in the index is secret per router, so no sender can aim its hashes at one cluster.
 """
 
 from __future__ import annotations

@@ -214,6 +214,79 @@ def test_events_remove_and_clear() -> None:
     r.check_integrity()
 
 
+def test_a_lying_worker_does_not_change_another_workers_overlap() -> None:
+    """Issue 30: a liar stores h2 under h0 first; an honest worker stores h0..h3 and evicts h1. Its leading
+    run is 1 block: the liar's link kept on h2's row must not make it 4."""
+    r = router(("liar", "good"))
+    h = hashes(tokens(4))
+    r.apply_events("liar", [BlockStored((h[2],), h[0], "device")])
+    r.apply_events("good", [BlockStored(tuple(h), None, "device")])
+    r.apply_events("good", [BlockRemoved((h[1],), "device")])
+    r.check_integrity()
+    assert r.overlaps(h) == {"good": 1.0}
+    with r.route(tokens(4)) as lease:
+        assert (lease.worker, lease.overlap_blocks) == ("good", 1.0)
+
+
+CHAINS = [hashes(tokens(6, start=1000 * c)) for c in range(2)]
+POOL = [h for chain in CHAINS for h in chain]
+
+
+def honest_store(chain: int, start: int, end: int) -> tuple[str, BlockStored]:
+    """A segment of one chain under its true parent: from the root, or skipping its start (out of order)."""
+    blocks = CHAINS[chain][start : max(start, end) + 1]
+    return "honest", BlockStored(tuple(blocks), CHAINS[chain][start - 1] if start else None, "device")
+
+
+def honest_eviction(chain: int, block: int) -> tuple[str, BlockRemoved]:
+    """One block of a chain (a hole, where the worker holds blocks below it)."""
+    return "honest", BlockRemoved((CHAINS[chain][block],), "device")
+
+
+def skipping_lie(chain: int, block: int, skip: int) -> tuple[str, BlockStored]:
+    """A chain's block stored under an ancestor further up than its parent (h2 under h0), or as a root."""
+    up = block - 1 - skip
+    return "liar", BlockStored((CHAINS[chain][block],), CHAINS[chain][up] if up >= 0 else None, "device")
+
+
+def any_lie(blocks: list, parent: object) -> tuple[str, BlockStored]:
+    return "liar", BlockStored(tuple(blocks), parent, "device")
+
+
+chains, blocks = st.integers(0, len(CHAINS) - 1), st.integers(0, 5)
+honest_stores = st.builds(honest_store, chains, st.just(0) | blocks, st.just(5) | blocks)
+honest_evictions = st.builds(honest_eviction, chains, blocks)
+lies = st.one_of(
+    st.builds(skipping_lie, chains, st.integers(1, 5), st.integers(1, 3)),
+    st.builds(any_lie, st.lists(st.sampled_from(POOL), min_size=1, max_size=4), st.none() | st.sampled_from(POOL)),
+    st.lists(st.sampled_from(POOL), max_size=3).map(lambda gone: ("liar", BlockRemoved(tuple(gone), "device"))),
+)
+
+
+@given(
+    st.lists(lies, min_size=1, max_size=4),
+    st.lists(honest_stores, min_size=1, max_size=3),
+    st.lists(honest_evictions, min_size=1, max_size=3),
+    st.lists(st.one_of(honest_stores, honest_evictions, lies), max_size=20),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_liars_events_never_change_an_honest_workers_overlap(
+    first: list, stores: list, evictions: list, mixed: list
+) -> None:
+    """Whatever a liar sends (blocks under false parents, in any order, removals), the honest worker's
+    overlap of every prompt equals its overlap in a router that never heard from the liar. The liar may
+    speak first (its links are then the rows' own), before the honest worker stores and evicts."""
+    with_liar, without = router(("honest", "liar")), router(("honest", "liar"))
+    for worker, event in first + stores + evictions + mixed:
+        with_liar.apply_events(worker, [event])
+        if worker == "honest":
+            without.apply_events(worker, [event])
+    with_liar.check_integrity()
+    for chain in CHAINS:
+        for n in range(1, len(chain) + 1):
+            assert with_liar.overlaps(chain[:n]).get("honest") == without.overlaps(chain[:n]).get("honest")
+
+
 def test_only_the_full_groups_events_feed_the_prefix_index() -> None:
     """A hybrid worker's sliding-window group drops hashes its full group still holds: the prefix stays."""
     r = router()

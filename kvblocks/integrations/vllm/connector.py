@@ -182,7 +182,7 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         self.planner = TransferPlanner(self.tier, fmt.block_size, lookup_timeout_s=self.settings.lookup_timeout_s)
         self.worker = ConnectorWorker(self.tier, reduce=reduce)
-        self._published: dict[str, int] = {}
+        self._source = "scheduler" if self._is_scheduler else f"worker{ranks[0] if ranks else 0}"
 
     @property
     def stats(self) -> ConnectorStats:
@@ -282,16 +282,16 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return None if report is None else KVBlocksWorkerMetadata(report)
 
     def get_kv_connector_stats(self) -> KVBlocksConnectorStats | None:
-        """What changed since the last call (vLLM sums them per logging interval and across ranks)."""
+        """This half's totals so far (see :mod:`~kvblocks.integrations.vllm.stats`), once it has counted anything."""
         now = self.stats.counters() if self._is_scheduler else self.worker.counters()
-        changed = {name: value - self._published.get(name, 0) for name, value in now.items() if name in COUNTERS}
-        self._published = now
-        changed = {name: value for name, value in changed.items() if value}
-        return KVBlocksConnectorStats(data=changed) if changed else None
+        totals = {name: value for name, value in now.items() if name in COUNTERS and value}
+        return KVBlocksConnectorStats(data={"sources": {self._source: totals}}) if totals else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBlocksConnectorStats:
-        return KVBlocksConnectorStats(data=dict(data or {}))
+        stats = KVBlocksConnectorStats()
+        stats.reset()
+        return stats.aggregate(KVBlocksConnectorStats(data=data or {}))  # type: ignore[no-any-return]
 
     @classmethod
     def build_prom_metrics(

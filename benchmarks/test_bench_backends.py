@@ -16,6 +16,7 @@ from benchmarks.paired import paired_ratio
 from kvblocks.backends import CPUBackend, KVCacheSpec, get_backend
 
 POOL_BYTES = 256 << 20
+SMOKE_POOL_BYTES = 8 << 20  # a run with benchmarks disabled checks the calls, not the machine: a small pool
 SHAPES = {
     # 16-token blocks of a Llama-3-8B-shaped cache: 32 layers, 8 KV heads, head_dim 128, bf16 -> 2 MiB a block
     "2MiB": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128},
@@ -26,9 +27,10 @@ SHAPES = {
 }
 
 
-def _setup(shape: str, *, block_major: bool = True, device: str = "cpu", pin_host: bool = False):
+def _setup(benchmark, shape: str, *, block_major: bool = True, device: str = "cpu"):
     spec = KVCacheSpec(dtype="bfloat16", block_size=16, block_major=block_major, **SHAPES[shape])
-    num_blocks = max(16, POOL_BYTES // spec.bytes_per_block)
+    pool_bytes = SMOKE_POOL_BYTES if benchmark.disabled else POOL_BYTES
+    num_blocks = max(16, pool_bytes // spec.bytes_per_block)
     backend = CPUBackend() if device == "cpu" else get_backend(device)
     cache = backend.allocate(spec, num_blocks)
     count = num_blocks // 4
@@ -49,7 +51,7 @@ def _tag(benchmark, group: str, subject: str, nbytes: int) -> None:
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("op", ["gather", "scatter", "contiguous copy"])
 def test_cpu_gather_scatter(benchmark, shape: str, op: str) -> None:
-    _, backend, cache, ids, src, dst = _setup(shape)
+    _, backend, cache, ids, src, dst = _setup(benchmark, shape)
     _tag(benchmark, f"cpu-move-{shape}", op, src.numel())
     if op == "gather":  # into a reused buffer, as a storage writer does: the same memory the copy writes
         out = benchmark(backend.gather, cache, ids, out=dst)
@@ -65,7 +67,7 @@ def test_cpu_gather_scatter(benchmark, shape: str, op: str) -> None:
 @pytest.mark.parametrize("block_major", [True, False], ids=["block-major", "layer-major"])
 def test_cpu_transfer_between_caches(benchmark, shape: str, block_major: bool) -> None:
     """Cache -> cache with scattered ids on both sides (on a CPU machine: the host tier's path)."""
-    spec, backend, cache, ids, src, _ = _setup(shape, block_major=block_major)
+    spec, backend, cache, ids, src, _ = _setup(benchmark, shape, block_major=block_major)
     other = backend.allocate(spec, cache.num_blocks)
     targets = random.Random(1).sample(range(cache.num_blocks), len(ids))
     arrangement = "block-major" if block_major else "layer-major"
@@ -77,7 +79,7 @@ def test_cpu_transfer_between_caches(benchmark, shape: str, block_major: bool) -
 @pytest.mark.parametrize("op", ["gather", "scatter", "transfer"])
 def test_cpu_move_paired(benchmark, shape: str, op: str) -> None:
     """The same ratios, measured in pairs (see :mod:`benchmarks.paired`): a contiguous copy, then the operation."""
-    _, backend, cache, ids, src, dst = _setup(shape)
+    _, backend, cache, ids, src, dst = _setup(benchmark, shape)
     other = backend.allocate(cache.spec, cache.num_blocks)
     targets = random.Random(1).sample(range(cache.num_blocks), len(ids))
     payload = backend.gather(cache, ids)
@@ -101,7 +103,7 @@ def test_cpu_move_paired(benchmark, shape: str, op: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("direction", ["to device", "to host", "contiguous to device", "contiguous to host"])
 def test_cuda_host_transfer(benchmark, direction: str) -> None:
-    spec, backend, device_cache, ids, device_src, _ = _setup("2MiB", device="cuda")
+    spec, backend, device_cache, ids, device_src, _ = _setup(benchmark, "2MiB", device="cuda")
     host_cache = CPUBackend().allocate(spec, device_cache.num_blocks, pin_memory=True)
     host_ids = random.Random(1).sample(range(host_cache.num_blocks), len(ids))
     pinned = torch.empty(device_src.shape, dtype=torch.uint8, pin_memory=True)
@@ -126,7 +128,7 @@ def test_cuda_host_transfer(benchmark, direction: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("op", ["copy_blocks", "contiguous copy"])
 def test_cuda_copy_blocks(benchmark, op: str) -> None:
-    _, backend, cache, ids, src, dst = _setup("2MiB", device="cuda")
+    _, backend, cache, ids, src, dst = _setup(benchmark, "2MiB", device="cuda")
     targets = [b for b in range(cache.num_blocks) if b not in set(ids)][: len(ids)]
     _tag(benchmark, "cuda-device-2MiB", op, src.numel())
 

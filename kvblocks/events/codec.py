@@ -1,10 +1,10 @@
 """KV events as values and as bytes: the event types, :class:`EventBatch` and its wire format.
 
-This is the layer both sides of a transport share. :mod:`kvblocks.events` (sinks,
-publishers, consumers) and :mod:`kvblocks.event_transport` (the transports and
-:func:`~kvblocks.event_transport.pump`) both build on it; it imports neither, so a
-transport never imports the layer that uses it. Everything here is re-exported by
-:mod:`kvblocks.events`, the usual place to import it from.
+This is the layer both sides of a transport share: the sink, publisher and consumer of
+:mod:`kvblocks.events` and the transports of :mod:`kvblocks.events.transport` (and
+:func:`~kvblocks.events.transport.pump`) all build on it; it imports none of them, so a
+transport never imports the layer that uses it. The event types, :class:`EventBatch` and the wire
+format's functions are re-exported by :mod:`kvblocks.events`, the usual place to import them from.
 
 Wire format (:func:`encode_batch`): compact JSON, ``{"version": 1, "producer": ...,
 "seq": ..., "ts": ..., "snapshot": ..., "events": [...]}`` with each event a list:

@@ -1,228 +1,24 @@
-"""KV events: what a cache tier stored, removed or cleared, numbered in emission order.
-
-A :class:`kvblocks.radix.PrefixTree` emits one event per batch it changes (one
-``BlockStored`` per insert call, one ``BlockRemoved`` per eviction call), carrying
-block hashes -- the same keys a router or indexer uses. In a hybrid model's cache each
-group emits its own events, tagged with the group's index and kind (``group``,
-``group_kind``): the full-attention group's tree and each local group's
-:class:`kvblocks.hybrid.block_index.FlatBlockIndex`. The groups share one key space, so
-a consumer that tracks the prefix follows the ``"full"`` group (and untagged events)
-only; a window group's removal of a hash says nothing about the full group's copy. An :class:`EventSink`
-numbers them 0, 1, 2, ... and delivers them in process: to subscribers as they
-happen and to a bounded buffer for polling. A consumer that sees a gap in the
-numbers knows it missed events and must resynchronise.
-
-Across processes and machines, events travel in :class:`EventBatch` es::
-
-    manager -> EventSink -> EventPublisher --bytes--> transport --bytes--> pump -> EventConsumer
-                              (numbers batches 0, 1, 2, ...          (detects gaps, asks for
-                               per producer; encode_batch)            a resync, applies snapshots)
-
-A cache records its events on its hot path with :meth:`EventSink.record` (a factory and its
-arguments: the event is built only when read). An :class:`EventPublisher` drains a sink and sends
-its records as batches numbered per producer -- when the engine calls :meth:`EventPublisher.publish`,
-or every few milliseconds from a background thread after :meth:`EventPublisher.start`, which takes
-building, batching and sending off the engine's thread; :meth:`EventPublisher.publish_snapshot`
-sends the producer's whole tree (:meth:`kvblocks.radix.PrefixTree.snapshot_events`; for a hybrid cache, followed by
-each local group's :meth:`~kvblocks.hybrid.block_index.FlatBlockIndex.snapshot_events`,
-all tagged) as one batch that replaces what consumers knew of it. An :class:`EventConsumer` applies batches in order and
-reports a missing number as a gap; it then ignores that producer's batches until a
-snapshot arrives. Any loss -- a full sink buffer, a dropped message, a transport
-that was down -- therefore shows as a gap, never as a silently wrong view.
-Transports live in :mod:`kvblocks.event_transport`.
-
-The event types, :class:`EventBatch` and the wire format (:func:`encode_batch`,
-:func:`decode_batch`) live in :mod:`kvblocks.event_codec`, the layer below both this
-module and the transports; they are re-exported here.
-"""
+"""The sending end of KV events across processes: an :class:`EventPublisher` drains an
+:class:`~kvblocks.events.sink.EventSink` and sends its records as numbered batches through a transport
+(:mod:`kvblocks.events.transport`, or one with a wire format of its own: :mod:`kvblocks.interop`)."""
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING
 
 from kvblocks.errors import ConfigError
-from kvblocks.event_codec import (
-    EVENT_FORMAT_VERSION,
-    EVENT_GROUP_KINDS,
-    MAX_BATCH_SEQ,
-    NO_ARG,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-    KVEvent,
-    PendingEvent,
-    build_pending,
-    decode_batch,
-    encode_batch,
-    pending_args,
-    removed_event,
-    stored_event,
-)
-from kvblocks.hashing import BlockHash
+from kvblocks.events.codec import EventBatch, KVEvent, build_pending, encode_batch
+from kvblocks.events.sink import EventSink
 
 if TYPE_CHECKING:  # the transport layer is below this one (and never imports it)
-    from kvblocks.event_transport import EventTransport
+    from kvblocks.events.transport import EventTransport
 
-__all__ = [
-    "EVENT_FORMAT_VERSION",
-    "EVENT_GROUP_KINDS",
-    "MAX_BATCH_SEQ",
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
-    "EventBatch",
-    "EventConsumer",
-    "EventPublisher",
-    "EventRecord",
-    "EventSink",
-    "KVEvent",
-    "decode_batch",
-    "encode_batch",
-    "record_changes",
-]
+__all__ = ["EventPublisher"]
 
 _log = logging.getLogger("kvblocks.events")
-
-
-@dataclass(slots=True, unsafe_hash=True)  # a value, never modified; not frozen: see kvblocks.event_codec.KVEvent
-class EventRecord:
-    """An event with its sequence number (0, 1, 2, ... per sink) and wall-clock timestamp."""
-
-    seq: int
-    timestamp: float
-    event: KVEvent
-
-
-class EventSink:
-    """Numbers events and delivers them in process.
-
-    >>> sink = EventSink()
-    >>> seen = []
-    >>> unsubscribe = sink.subscribe(seen.append)
-    >>> sink.emit(AllBlocksCleared(tier="device")).seq
-    0
-    >>> [r.seq for r in sink.drain()], len(seen)
-    ([0], 1)
-
-    ``capacity`` bounds the polling buffer: when it is full the oldest record is
-    dropped (a poller then sees a gap). Subscribers are called synchronously, in
-    subscription order. A subscriber that raises is logged and counted in
-    ``subscriber_errors``; the exception never reaches the cache operation that
-    emitted the event, which has already changed the cache.
-
-    A cache on its hot path calls :meth:`record` instead of :meth:`emit`: the event's
-    class and arguments are buffered and the event is built only when somebody reads
-    it -- at once for subscribers, at :meth:`drain`, or on a background transport's own
-    thread (:meth:`EventPublisher.publish`). Numbers and timestamps are taken when the
-    event is recorded either way.
-    """
-
-    __slots__ = ("_buffer", "_clock", "_next_seq", "_subscribers", "subscriber_errors")
-
-    def __init__(self, capacity: int = 65536, *, clock: Callable[[], float] = time.time) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise ConfigError(f"event buffer capacity must be an int >= 0, got {capacity!r}")
-        self._next_seq = 0
-        # one PendingEvent per event, oldest first: (seq, timestamp, factory, *args), or (seq, timestamp, None, event)
-        self._buffer: deque[PendingEvent] = deque(maxlen=capacity)
-        self._subscribers: list[Callable[[EventRecord], None]] = []
-        self._clock = clock
-        self.subscriber_errors = 0
-
-    @property
-    def next_seq(self) -> int:
-        """The number the next event will get."""
-        return self._next_seq
-
-    def subscribe(self, callback: Callable[[EventRecord], None]) -> Callable[[], None]:
-        """Call ``callback`` with every later record; returns a function that unsubscribes it."""
-        self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            if callback in self._subscribers:
-                self._subscribers.remove(callback)
-
-        return unsubscribe
-
-    def emit(self, event: KVEvent) -> EventRecord:
-        """Number ``event``, buffer it and hand it to every subscriber; return its record."""
-        seq = self._next_seq
-        record = EventRecord(seq, self._clock(), event)
-        self._next_seq = seq + 1
-        self._buffer.append((seq, record.timestamp, None, event))
-        for callback in self._subscribers:
-            try:
-                callback(record)
-            except Exception:
-                self.subscriber_errors += 1
-                _log.exception("KV event subscriber %r failed on event %d", callback, record.seq)
-        return record
-
-    def record(
-        self,
-        factory: Callable[..., KVEvent],
-        a: object,
-        b: object = NO_ARG,
-        c: object = NO_ARG,
-        d: object = NO_ARG,
-        e: object = NO_ARG,
-    ) -> None:
-        """Emit ``factory(a, b, c, d, e)``, built only when read (see the class docstring); arguments left
-        out are not passed. What the event is built from must not change later. At most five, held in the
-        entry itself: one object per event for the garbage collector to count, where ``*args`` would make
-        two."""
-        if self._subscribers:
-            self.emit(factory(*pending_args((0, 0.0, factory, a, b, c, d, e))))
-            return
-        seq = self._next_seq
-        self._buffer.append((seq, self._clock(), factory, a, b, c, d, e))
-        self._next_seq = seq + 1
-
-    def drain(self) -> list[EventRecord]:
-        """Return and forget the buffered records, oldest first."""
-        entries = self._take()
-        return [EventRecord(e[0], e[1], event) for e, event in zip(entries, build_pending(entries))]
-
-    def _take(self) -> list[PendingEvent]:
-        """Remove and return the buffered entries, unbuilt, oldest first.
-
-        One event at a time (``popleft``): a thread draining the sink never loses an event the cache's
-        thread records meanwhile, which a copy-then-clear could.
-        """
-        buffer = self._buffer
-        popleft = buffer.popleft
-        return [popleft() for _ in range(len(buffer))]
-
-
-def record_changes(
-    sink: EventSink,
-    changes: list[tuple[bool, list[BlockHash]]],
-    tier: str,
-    group: int | None,
-    group_kind: str | None,
-    block_size: int | None,
-) -> None:
-    """Record a tier's noted changes in order: each ``(stored, hashes)`` run as one ``BlockStored`` (no parent,
-    no token ids: a lower tier holds blocks, not chains) or one ``BlockRemoved``. The lists become the events'
-    hashes: the caller hands them over and does not change them again."""
-    stored = partial(stored_event, tier, group, group_kind, block_size)
-    removed = partial(removed_event, tier, group, group_kind)
-    for is_stored, hashes in changes:
-        if is_stored:
-            sink.record(stored, hashes, None, None, None)
-        else:
-            sink.record(removed, hashes)
-
-
-# ---------------------------------------------------------------------- publisher
 
 
 class EventPublisher:
@@ -336,8 +132,8 @@ class EventPublisher:
         """Drain the sink and send its records; return the number of batches sent.
 
         A transport with a ``send_pending(producer, seq, timestamp, entries)`` method gets each batch's
-        events unbuilt (:data:`~kvblocks.event_codec.PendingEvent` entries) and builds them one at a time
-        as it encodes them (:func:`~kvblocks.event_codec.build_pending`), so they never all live at once.
+        events unbuilt (:data:`~kvblocks.events.codec.PendingEvent` entries) and builds them one at a time
+        as it encodes them (:func:`~kvblocks.events.codec.build_pending`), so they never all live at once.
         """
         with self._lock:
             entries = self._sink._take()
@@ -442,132 +238,3 @@ class EventPublisher:
     def _run(self, stop: threading.Event, interval_s: float) -> None:
         while not stop.wait(interval_s):
             self._round()
-
-
-# ---------------------------------------------------------------------- consumer
-
-
-class EventConsumer:
-    """Applies batches of many producers in order; detects gaps; waits for snapshots after one.
-
-    Per producer, :meth:`feed` applies batch ``last + 1`` by calling ``on_events``.
-    The first batch of a producer it has not seen is expected to be batch 0 (the
-    start of its stream) or a snapshot -- a consumer that joins late therefore asks
-    for a resync instead of holding a partial view. Any other number is a gap:
-    ``on_gap(producer, expected, got)`` is called once, the producer enters
-    :attr:`needs_resync` and its batches are ignored (counted in ``skipped``) until a
-    snapshot batch arrives, which ``on_snapshot`` applies as a replacement; numbering
-    continues from it. A snapshot is accepted at any number above the last applied.
-    Batches numbered at or below the last applied are duplicates (ignored, counted) --
-    except batch 0, which means the producer restarted: a snapshot 0 is applied, a
-    plain batch 0 is a gap (counted in ``restarts`` too).
-
-    The consumer does not ask producers for a resync itself: ``on_gap`` and
-    :attr:`needs_resync` tell the application, which asks (or producers snapshot
-    periodically). If ``on_events`` / ``on_snapshot`` raises, the producer enters
-    :attr:`needs_resync` (its view may be half-applied) and the exception propagates.
-    """
-
-    __slots__ = (
-        "_last",
-        "_resync",
-        "_time",
-        "batches",
-        "duplicates",
-        "feed_errors",
-        "gaps",
-        "malformed",
-        "on_events",
-        "on_gap",
-        "on_snapshot",
-        "restarts",
-        "skipped",
-    )
-
-    def __init__(
-        self,
-        *,
-        on_events: Callable[[str, tuple[KVEvent, ...]], None],
-        on_snapshot: Callable[[str, tuple[KVEvent, ...]], None],
-        on_gap: Callable[[str, int, int], None] | None = None,
-    ) -> None:
-        self.on_events = on_events
-        self.on_snapshot = on_snapshot
-        self.on_gap = on_gap
-        self._last: dict[str, int] = {}
-        self._time: dict[str, float] = {}
-        self._resync: set[str] = set()
-        self.batches = 0
-        """Batches applied (snapshots included)."""
-        self.gaps = 0
-        self.duplicates = 0
-        self.skipped = 0
-        """Batches ignored while their producer waited for a snapshot."""
-        self.restarts = 0
-        self.malformed = 0
-        """Payloads that did not decode (counted by :func:`kvblocks.event_transport.pump`)."""
-        self.feed_errors = 0
-        """Batches whose callback raised inside :func:`kvblocks.event_transport.pump` (which logs and goes on)."""
-
-    @property
-    def needs_resync(self) -> set[str]:
-        """Producers whose view is stale until their next snapshot (a copy)."""
-        return set(self._resync)
-
-    @property
-    def producers(self) -> list[str]:
-        """Producers with at least one applied batch, in first-seen order."""
-        return list(self._last)
-
-    def last_seq(self, producer: str) -> int | None:
-        """Number of the producer's last applied batch (None: nothing applied yet)."""
-        return self._last.get(producer)
-
-    def last_event_time(self, producer: str) -> float | None:
-        """``time.monotonic()`` when the producer's last batch was applied (None: never)."""
-        return self._time.get(producer)
-
-    def forget(self, producer: str) -> None:
-        """Drop all state of ``producer`` (a node that left): its next batch is treated as its first."""
-        self._last.pop(producer, None)
-        self._time.pop(producer, None)
-        self._resync.discard(producer)
-
-    def feed(self, batch: EventBatch) -> bool:
-        """Apply ``batch`` if it is the producer's next one (or a usable snapshot); return whether it was applied."""
-        producer, seq = batch.producer, batch.seq
-        last = self._last.get(producer)
-        restart = last is not None and seq == 0
-        if last is not None and seq <= last and not restart:
-            self.duplicates += 1
-            return False
-        if batch.snapshot:
-            if restart:
-                self.restarts += 1
-            self._resync.discard(producer)
-            self._apply(producer, batch, self.on_snapshot)
-            return True
-        if producer in self._resync:
-            self.skipped += 1
-            return False
-        expected = 0 if last is None else last + 1
-        if restart or seq != expected:
-            if restart:
-                self.restarts += 1
-            self.gaps += 1
-            self._resync.add(producer)
-            if self.on_gap is not None:
-                self.on_gap(producer, expected, seq)
-            return False
-        self._apply(producer, batch, self.on_events)
-        return True
-
-    def _apply(self, producer: str, batch: EventBatch, callback: Callable[[str, tuple[KVEvent, ...]], None]) -> None:
-        self._last[producer] = batch.seq
-        self._time[producer] = time.monotonic()
-        self.batches += 1
-        try:
-            callback(producer, batch.events)
-        except BaseException:
-            self._resync.add(producer)
-            raise

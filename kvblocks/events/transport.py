@@ -32,7 +32,7 @@ from collections import deque
 from typing import Any, Protocol, runtime_checkable
 
 from kvblocks.errors import ConfigError, InvalidArgumentError
-from kvblocks.event_codec import EventBatch, decode_batch
+from kvblocks.events.codec import EventBatch, decode_batch
 from kvblocks.redis_client import connect
 
 __all__ = ["BatchConsumer", "EventTransport", "InProcessTransport", "RedisStreamTransport", "pump"]

@@ -35,172 +35,36 @@ worker's events change another worker's run: an honest worker's run is exact wha
 and a worker's false links can only mislead the walk about that worker itself (whose own claims it
 cannot check anyway).
 
-Keys and placement. An int hash in ``[0, 2**64)`` (vLLM's and SGLang's event forms, ``xxh3-64-1337``) is
-its own key; any other hash (bytes digests, wider ints) is folded to 64 bits by xxh3-64 under a per-index
-random seed, so folded keys collide only by chance (2**-64 a pair), never by construction. Every key is
-placed by multiply-shift hashing under a per-index secret, a random odd multiplier from :mod:`secrets`:
-``(key * mult mod 2**64) >> shift``, a universal family (two keys share a home slot with probability at
-most 2 / capacity, whichever keys a sender picks), so a sender who cannot see the secret cannot aim keys
-at one cluster. The probe length is bounded too: an insert whose probe runs more than ``probe_limit``
-slots past its home (the secret leaked, or rare bad luck: random keys stay under ~250 at 10M rows) first
-rebuilds the table under a fresh secret, redrawn until no run of occupied slots is longer than the limit.
-So no row ever sits farther than the limit from its home, and a long cluster lasts only until the next
-insert that crosses it. Results never depend on the placement.
+The index, by job: :mod:`kvblocks.routing.table` stores and places the rows (the keys, and how a sender is
+kept from aiming them at one cluster), :mod:`kvblocks.routing.interned` holds the values rows share (holder
+masks, kid vectors), :mod:`kvblocks.routing.walk` reads the rows (the walk); this module keeps them up to
+date (stores, removals, clears, the orphan counts) and checks them.
 """
 
 from __future__ import annotations
 
-import operator
-import secrets
-from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Generic, TypeVar
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
-import xxhash
 
-from kvblocks.errors import IntegrityError, InvalidArgumentError, InvalidBlockHashError
+from kvblocks.errors import IntegrityError
 from kvblocks.hashing import BlockHash
+from kvblocks.routing.interned import Interned as _Interned
+from kvblocks.routing.interned import bits as _bits
+from kvblocks.routing.interned import bump as _bump
+from kvblocks.routing.interned import count as _count
+from kvblocks.routing.interned import counts as _counts
+from kvblocks.routing.interned import mask as _mask
+from kvblocks.routing.interned import unbump as _unbump
+from kvblocks.routing.table import _PAD, _TOMB, M64, PROBE_LIMIT
+from kvblocks.routing.walk import PrefixWalk
 
-__all__ = ["HolderIndex"]
+__all__ = ["M64", "PROBE_LIMIT", "HolderIndex"]
 
-M64 = (1 << 64) - 1
-PROBE_LIMIT = 512  # the farthest a row may sit past its home slot (honest tables: <~250 at 10M rows)
-_MAX_LOAD = 0.75  # rows plus tombstones, of the table's capacity
-_PAD = 64  # slack after the last home slot: probes run forward, never wrap
-_WIDE_INT_SEED = 0x5BD1E9955BD1E995  # ints wider than 64 bits fold under another seed than bytes
-_EMPTY, _TOMB = 0, -1  # ids[slot]: 0 empty, -1 deleted, > 0 the row's holder-mask id
 _OWN = 2  # has_parent[slot] flag: some holder stated another parent than the row's (bit 0: it has one)
 
 
-V = TypeVar("V", int, tuple[int, ...])
-
-
-def _secret_multiplier() -> int:
-    """A random odd multiplier, from the OS's randomness: senders cannot predict placement."""
-    return secrets.randbits(64) | 1
-
-
-class _Interned(Generic[V]):
-    """Values many rows share, each stored once: ``values[id]``, ``ids[value]`` and ``refs[id]`` (rows
-    using it). Id 0 is the empty value, never counted or freed. An id whose count reaches 0 is freed only
-    by :meth:`sweep`, at the end of an update: an update memoises its id moves, and must not see an id
-    reused under it."""
-
-    __slots__ = ("dead", "free", "ids", "refs", "values")
-
-    def __init__(self, empty: V) -> None:
-        self.values: list[V] = [empty]
-        self.ids: dict[V, int] = {empty: 0}
-        self.refs = array("i", [0])
-        self.free: list[int] = []
-        self.dead: list[int] = []  # ids whose count reached 0 during the update
-
-    def intern(self, value: V) -> int:
-        v = self.ids.get(value)
-        if v is None:
-            if self.free:
-                v = self.free.pop()
-                self.values[v] = value
-            else:
-                v = len(self.values)
-                self.values.append(value)
-                self.refs.append(0)
-            self.ids[value] = v
-        return v
-
-    def move(self, old: int, new: int) -> None:
-        """A row stops using ``old`` and uses ``new`` (either may be 0)."""
-        if old:
-            self.refs[old] -= 1
-            if not self.refs[old]:
-                self.dead.append(old)
-        if new:
-            self.refs[new] += 1
-
-    def sweep(self) -> None:
-        """Free the ids no row uses any more."""
-        refs, values, ids = self.refs, self.values, self.ids
-        for v in self.dead:
-            if not refs[v] and ids.get(values[v]) == v:
-                del ids[values[v]]
-                values[v] = values[0]
-                self.free.append(v)
-        self.dead.clear()
-
-
-# A kid vector: how many children under one block each worker holds, bit-sliced -- plane k is the mask of
-# the workers whose count has bit k set -- so that one worker's +1 or -1 is a few operations on ints, and
-# the common vectors (a chain's interior blocks: one child per holder, the child's own holder mask) are
-# shared like holder masks. E.g. worker 0 with 3 kids and worker 2 with 1: planes (0b101, 0b001).
-
-
-def _bump(planes: tuple[int, ...], b: int) -> tuple[int, ...]:
-    """``planes`` with worker mask ``b``'s count one higher (a binary carry through the planes)."""
-    out = list(planes)
-    for k, plane in enumerate(out):
-        if not plane & b:
-            out[k] = plane | b
-            return tuple(out)
-        out[k] = plane ^ b
-    out.append(b)
-    return tuple(out)
-
-
-def _unbump(planes: tuple[int, ...], b: int) -> tuple[int, ...]:
-    """``planes`` with worker mask ``b``'s count (at least 1) one lower, empty planes at the top dropped."""
-    out = list(planes)
-    for k, plane in enumerate(out):
-        out[k] = plane ^ b
-        if plane & b:
-            break
-    while out and not out[-1]:
-        out.pop()
-    return tuple(out)
-
-
-def _count(planes: tuple[int, ...], b: int) -> int:
-    """Worker mask ``b``'s count."""
-    count, weight = 0, 1
-    for plane in planes:
-        if plane & b:
-            count += weight
-        weight <<= 1
-    return count
-
-
-def _longest_cluster(pos: np.ndarray) -> int:
-    """The longest run of consecutive slots among the sorted, distinct ``pos``."""
-    if not len(pos):
-        return 0
-    breaks = np.flatnonzero(np.diff(pos) != 1)
-    edges = np.concatenate(([-1], breaks, [len(pos) - 1]))
-    return int(np.diff(edges).max())
-
-
-def _mask(bits: Iterable[int]) -> int:
-    mask = 0
-    for bit in bits:
-        mask |= 1 << bit
-    return mask
-
-
-def _bits(mask: int) -> Iterator[int]:
-    while mask:
-        low = mask & -mask
-        mask ^= low
-        yield low.bit_length() - 1
-
-
-def _counts(planes: tuple[int, ...]) -> dict[int, int]:
-    """bit -> count of a kid vector (the integrity check)."""
-    union = 0
-    for plane in planes:
-        union |= plane
-    return {bit: _count(planes, 1 << bit) for bit in _bits(union)}
-
-
-class HolderIndex:
+class HolderIndex(PrefixWalk):
     """Block key -> mask of holder bits, with parent links for the closure checks (see the module docstring).
 
     >>> index = HolderIndex()
@@ -214,11 +78,7 @@ class HolderIndex:
     """
 
     def __init__(self, capacity: int = 1024, *, probe_limit: int = PROBE_LIMIT) -> None:
-        if isinstance(probe_limit, bool) or not isinstance(probe_limit, int) or probe_limit < 1:
-            raise InvalidArgumentError(f"probe_limit must be an int >= 1, got {probe_limit!r}")
-        self.probe_limit = probe_limit
-        self._seed = secrets.randbits(64)  # folds non-int hashes; fixed for the index's life (keys keep it)
-        self._mult = _secret_multiplier()  # places keys; drawn again on every rehash
+        super().__init__(capacity, probe_limit=probe_limit)
         self._stated: dict[int, dict[int, int | None]] = {}  # key -> bit -> the parent that worker stated,
         # where it is not the row's (see the module docstring)
         self._holders: _Interned[int] = _Interned(0)  # holder masks: id -> mask of worker bits
@@ -227,137 +87,6 @@ class HolderIndex:
         self._held: dict[int, int] = {}  # bit -> rows holding it
         self._orphans: dict[int, int] = {}  # bit -> blocks it holds without their recorded parent
         self.suspect = 0  # bits of workers holding an orphan: their caches are not prefix-closed
-        self._live = 0
-        self._used = 0  # live rows + tombstones
-        self._allocate(max(16, 1 << (max(capacity, 1) - 1).bit_length()))
-
-    # ------------------------------------------------------------------ storage
-
-    def _allocate(self, capacity: int, pad: int = _PAD) -> None:
-        self._cap = capacity
-        self._shift = 64 - (capacity.bit_length() - 1)
-        size = capacity + pad
-        self._keys = array("Q", bytes(8 * size))
-        self._parents = array("Q", bytes(8 * size))
-        self._has_parent = array("B", bytes(size))
-        self._ids = array("i", bytes(4 * size))
-        self._kids = array("i", bytes(4 * size))
-
-    def fold(self, h: BlockHash) -> int:
-        """The 64-bit key of a block hash (itself for an int in ``[0, 2**64)``)."""
-        if type(h) is int and 0 <= h <= M64:
-            return h
-        if isinstance(h, bytes):
-            return xxhash.xxh3_64_intdigest(h, self._seed)
-        if not isinstance(h, bool):
-            try:
-                wide = operator.index(h)  # numpy integers index as the ints they are
-            except TypeError:
-                raise InvalidBlockHashError(f"a block hash is an int or bytes, got {type(h).__name__}") from None
-            if 0 <= wide <= M64:
-                return wide
-            data = wide.to_bytes(wide.bit_length() // 8 + 1, "big", signed=True)
-            return xxhash.xxh3_64_intdigest(data, self._seed ^ _WIDE_INT_SEED)  # apart from bytes digests
-        raise InvalidBlockHashError(f"a block hash is an int or bytes, got {type(h).__name__}")
-
-    def fold_all(self, hashes: Iterable[BlockHash]) -> list[int]:
-        """``[fold(h) for h in hashes]``, in C when every hash is a 64-bit int (an event's usual batch):
-        ``array('Q')`` refuses anything else, and a ``bool`` (which it would take) sends the batch to the
-        per-item path, which refuses it."""
-        hashes = hashes if type(hashes) is list else list(hashes)
-        try:
-            packed = array("Q", hashes)
-        except (TypeError, OverflowError):
-            packed = None
-        if packed is None or bool in set(map(type, hashes)):
-            fold = self.fold
-            return [fold(h) for h in hashes]
-        return packed.tolist()
-
-    def _home(self, key: int) -> int:
-        """The slot where ``key``'s probe starts."""
-        return ((key * self._mult) & M64) >> self._shift
-
-    def _find(self, key: int) -> int:
-        """The slot of ``key``'s row, or -1."""
-        ids, keys = self._ids, self._keys
-        i = self._home(key)
-        while True:
-            v = ids[i]
-            if v > 0:
-                if keys[i] == key:
-                    return i
-            elif v == _EMPTY:
-                return -1
-            i += 1
-
-    def _extend(self, more: int) -> None:
-        """More slack after the last slot, in place: slots and the arrays themselves stay valid."""
-        for column in (self._keys, self._parents, self._has_parent, self._ids, self._kids):
-            column.frombytes(bytes(column.itemsize * more))
-
-    def _reserve(self, more: int) -> None:
-        """Room for ``more`` new rows without a rehash (so slots held across an update stay valid)."""
-        if self._used + more <= _MAX_LOAD * self._cap:
-            return
-        need = self._live + more
-        capacity = self._cap
-        while need > _MAX_LOAD * capacity / 2:
-            capacity *= 2
-        self._rehash(capacity)
-
-    def _rehash(self, capacity: int) -> None:
-        """Rebuild at ``capacity`` (or more) without tombstones, under a fresh placement secret. Rows sorted
-        by home slot are placed at ``max(home, previous + 1)``: a cumulative max, so the whole rebuild is a
-        few numpy passes. A placement with a run of occupied slots longer than the probe limit is drawn
-        again (every fourth draw at twice the capacity), so that right after it every probe, of a key
-        present or not, ends within the limit."""
-        ids = np.frombuffer(self._ids, dtype=np.int32)
-        live = np.flatnonzero(ids > 0)
-        keys = np.frombuffer(self._keys, dtype=np.uint64)[live]
-        attempt = 0
-        while True:
-            attempt += 1
-            mult = _secret_multiplier()
-            shift = np.uint64(64 - (capacity.bit_length() - 1))
-            home = ((keys * np.uint64(mult)) >> shift).astype(np.int64)
-            order = np.argsort(home, kind="stable")
-            rank = np.arange(len(order), dtype=np.int64)
-            pos = np.maximum.accumulate(home[order] - rank) + rank if len(order) else rank
-            if _longest_cluster(pos) <= self.probe_limit:
-                break
-            if not attempt % 4:
-                capacity *= 2
-        self._mult = mult
-        columns = [
-            (keys[order], "Q", np.uint64),
-            (np.frombuffer(self._parents, dtype=np.uint64)[live][order], "Q", np.uint64),
-            (np.frombuffer(self._has_parent, dtype=np.uint8)[live][order], "B", np.uint8),
-            (ids[live][order], "i", np.int32),
-            (np.frombuffer(self._kids, dtype=np.int32)[live][order], "i", np.int32),
-        ]
-        del ids
-        overflow = int(pos[-1]) - capacity + 1 if len(pos) else 0
-        size = capacity + max(_PAD, 2 * overflow + _PAD)
-        built = []
-        for values, code, dtype in columns:
-            column = np.zeros(size, dtype=dtype)
-            column[pos] = values
-            built.append(array(code, column.tobytes()))
-        self._keys, self._parents, self._has_parent, self._ids, self._kids = built
-        self._cap = capacity
-        self._shift = 64 - (capacity.bit_length() - 1)
-        self._used = self._live
-
-    def _reseeded_slot(self, key: int) -> int:
-        """An insert of ``key`` probed past the limit (its secret leaked, or rare bad luck): rebuild under
-        a fresh secret and return the empty slot where ``key`` goes now (within the limit: see _rehash)."""
-        self._rehash(self._cap)
-        ids = self._ids
-        slot = self._home(key)
-        while ids[slot]:
-            slot += 1
-        return slot
 
     # ------------------------------------------------------------------ kid vectors and orphans
 
@@ -640,157 +369,6 @@ class HolderIndex:
         masks, keys, ids = self._holders.values, self._keys, self._ids
         for slot in np.flatnonzero(np.frombuffer(ids, dtype=np.int32) > 0).tolist():
             yield keys[slot], masks[ids[slot]]
-
-    def _probes(self, hashes: Sequence[BlockHash]) -> tuple[Callable[[int], int], Callable[[int, int], bool]]:
-        """``probe(i)``: the holders of the prompt's block ``i``; ``linked(i, who)``: each worker of ``who``
-        (holders of block ``i``) stated the prompt's block ``i - 1`` as its parent. Both remember what they
-        looked up."""
-        fold = self.fold
-        masks, ids, parents, has_parent = self._holders.values, self._ids, self._parents, self._has_parent
-        slots: dict[int, int] = {}  # probed position -> slot (-1: no row)
-        folded: dict[int, int] = {}  # position -> key, for the positions probed or link-checked
-        keys, shift, mult = self._keys, self._shift, self._mult
-
-        def key_at(i: int) -> int:
-            key = folded.get(i)
-            if key is None:
-                h = hashes[i]
-                key = folded[i] = h if type(h) is int and 0 <= h <= M64 else fold(h)
-            return key
-
-        def probe(i: int) -> int:  # fold and _find, inlined: this is the walk's whole cost
-            slot = slots.get(i)
-            if slot is None:
-                key = key_at(i)
-                slot = ((key * mult) & M64) >> shift
-                while True:
-                    v = ids[slot]
-                    if v > 0:
-                        if keys[slot] == key:
-                            break
-                    elif not v:
-                        slot = -1
-                        break
-                    slot += 1
-                slots[i] = slot
-            return masks[ids[slot]] if slot >= 0 else 0
-
-        def linked(i: int, who: int) -> bool:  # every worker of who states block i - 1 as held block i's parent
-            slot = slots[i]
-            if not i:
-                return True
-            flag = has_parent[slot]
-            if flag == 1:
-                return parents[slot] == key_at(i - 1)
-            return flag > 1 and self._stated_by_all(keys[slot], slot, key_at(i - 1), who)
-
-        return probe, linked
-
-    def _stated_by_all(self, key: int, slot: int, parent: int, who: int) -> bool:
-        """Each worker of ``who`` stated ``parent`` as ``key``'s (a row whose holders disagree)."""
-        own = self._stated[key]
-        row = self._parents[slot] if self._has_parent[slot] & 1 else None
-        return all(own.get(bit, row) == parent for bit in _bits(who))
-
-    def longest_run(self, hashes: Sequence[BlockHash], alive: int) -> tuple[int, int] | None:
-        """The longest leading run any of ``alive`` holds, and the mask of the workers holding it, by
-        bisection over "anyone holds block ``j``" (the last block tried first): O(log n) probes however
-        the runs below it are spread. None when a suspect is among ``alive`` or a probe's link fails
-        (then :meth:`runs` answers)."""
-        if alive & self.suspect:
-            return None
-        n = len(hashes)
-        probe, linked = self._probes(hashes)
-        lo, hi, top = -1, n, 0  # someone holds block lo (-1: vacuously); nobody holds block hi (n: past the end)
-        mid = n - 1
-        while hi - lo > 1:
-            held = probe(mid) & alive
-            if held:
-                if not linked(mid, held):
-                    return None
-                lo, top = mid, held
-            else:
-                hi = mid
-            mid = (lo + hi) // 2
-        return lo + 1, top
-
-    def runs(self, hashes: Sequence[BlockHash], alive: int, min_run: int = 0) -> list[tuple[int, int]]:
-        """(leading run, mask of the ``alive`` workers whose run it is), one entry per distinct run
-        length, shortest first. Workers of ``alive`` holding nothing get run 0. With ``min_run``, only
-        the runs of at least that many blocks, and the walk starts at block ``min_run - 1``: whoever
-        holds it holds every block before it."""
-        n = len(hashes)
-        if not alive or min_run > n:
-            return []
-        probe, linked = self._probes(hashes)
-        groups: dict[int, int] = {}
-        suspects = alive & self.suspect
-        if suspects:
-            self._scan(probe, n, suspects, groups)
-        pos, cur = 0, alive & ~suspects
-        if min_run > 1 and cur:
-            pos = min_run - 1
-            cur &= probe(pos)
-            if cur and not linked(pos, cur):
-                return self._plain(probe, n, alive, min_run)
-        while cur and pos < n:
-            m = probe(pos) & cur
-            if m != cur:  # the run of the workers that dropped out ends here
-                groups[pos] = groups.get(pos, 0) | (cur & ~m)
-                cur = m
-                if not cur:
-                    break
-            if not linked(pos, cur):
-                return self._plain(probe, n, alive, min_run)
-            # cur holds blocks ..pos; find the first block it does not all hold: the last block first
-            # (a fully cached prompt ends here), then galloping from pos and bisecting
-            lo, hi = pos, n
-            if pos < n - 1:
-                if probe(n - 1) & cur == cur:
-                    if not linked(n - 1, cur):
-                        return self._plain(probe, n, alive, min_run)
-                    lo = n - 1
-                else:
-                    hi, step = n - 1, 1
-                    while lo + step < hi:
-                        j = lo + step
-                        if probe(j) & cur != cur:
-                            hi = j
-                            break
-                        if not linked(j, cur):
-                            return self._plain(probe, n, alive, min_run)
-                        lo, step = j, step * 2
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if probe(mid) & cur == cur:
-                    if not linked(mid, cur):
-                        return self._plain(probe, n, alive, min_run)
-                    lo = mid
-                else:
-                    hi = mid
-            pos = hi
-        if cur:
-            groups[pos] = groups.get(pos, 0) | cur
-        return sorted((run, mask) for run, mask in groups.items() if run >= min_run)
-
-    def _plain(self, probe: Callable[[int], int], n: int, alive: int, min_run: int) -> list[tuple[int, int]]:
-        groups: dict[int, int] = {}
-        self._scan(probe, n, alive, groups)
-        return sorted((run, mask) for run, mask in groups.items() if run >= min_run)
-
-    @staticmethod
-    def _scan(probe: Callable[[int], int], n: int, alive: int, groups: dict[int, int]) -> None:
-        """One probe per block while any of ``alive`` holds them all (the suspects' path, and the
-        fallback for a prompt that is not one chain)."""
-        i, cur = 0, alive
-        while cur and i < n:
-            m = probe(i) & cur
-            if m != cur:
-                groups[i] = groups.get(i, 0) | (cur & ~m)
-                cur = m
-            i += 1
-        if cur:
-            groups[i] = groups.get(i, 0) | cur
 
     # ------------------------------------------------------------------ integrity
 

@@ -25,8 +25,8 @@ import time
 import pytest
 
 from kvblocks import KVCacheManager
-from kvblocks.event_transport import InProcessTransport
 from kvblocks.events import EventPublisher, EventSink
+from kvblocks.events.transport import InProcessTransport
 
 from .paired import paired_ratio
 from .test_bench_manager import BLOCK_SIZE, CONCURRENCY, POOL, WORKLOAD

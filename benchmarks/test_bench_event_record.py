@@ -15,8 +15,8 @@ import random
 from array import array
 from functools import partial
 
-from kvblocks.event_codec import stored_event
 from kvblocks.events import BlockStored, EventSink
+from kvblocks.events.codec import stored_event
 
 from .paired import paired_ratio
 

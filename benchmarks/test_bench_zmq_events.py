@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from kvblocks.event_transport import InProcessTransport, pump
 from kvblocks.events import BlockStored, EventBatch, EventConsumer, EventPublisher, EventSink
+from kvblocks.events.transport import InProcessTransport, pump
 from kvblocks.routing import Router, RouterConfig
 
 zmq_events = pytest.importorskip("kvblocks.interop.zmq_events")

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 msgspec = pytest.importorskip("msgspec")
 
 from kvblocks.errors import InvalidArgumentError, InvalidBlockHashError, InvalidTokenError  # noqa: E402
-from kvblocks.event_codec import (  # noqa: E402
+from kvblocks.events.codec import (  # noqa: E402
     EVENT_GROUP_KINDS,
     AllBlocksCleared,
     BlockRemoved,

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("msgspec")
 
-from kvblocks.event_codec import (
+from kvblocks.events import EventSink
+from kvblocks.events.codec import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -33,7 +34,6 @@ from kvblocks.event_codec import (
     stored_event,
     stored_range_event,
 )
-from kvblocks.events import EventSink
 from kvblocks.interop.engine_wire import encode_engine_events
 from kvblocks.interop.fast_wire import encode_pending_events
 from tests.test_engine_wire_encoding import (

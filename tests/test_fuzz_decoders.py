@@ -35,8 +35,8 @@ from kvblocks import (
     encode_batch,
 )
 from kvblocks.errors import EventDecodeError
-from kvblocks.event_transport import InProcessTransport, pump
 from kvblocks.events import EVENT_GROUP_KINDS
+from kvblocks.events.transport import InProcessTransport, pump
 from kvblocks.tiers import EntryFormat, MemoryStorage, StorageTier, TierConfig, block_key, namespace_tag
 from kvblocks.tiers.entry import HEADER
 

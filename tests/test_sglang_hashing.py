@@ -57,7 +57,7 @@ def test_a_kvblocks_node_publishes_in_sglangs_dialect_the_hashes_sglang_publishe
     pytest.importorskip("msgspec")
     import msgspec
 
-    from kvblocks.event_codec import BlockStored, EventBatch
+    from kvblocks.events.codec import BlockStored, EventBatch
     from kvblocks.interop.engine_wire import encode_engine_batch
 
     tokens = STREAM["prompts"]["A"]

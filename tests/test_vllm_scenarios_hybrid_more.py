@@ -32,8 +32,8 @@ from collections.abc import Sequence
 import pytest
 
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.event_codec import BlockRemoved, BlockStored, KVEvent
 from kvblocks.events import EventSink
+from kvblocks.events.codec import BlockRemoved, BlockStored, KVEvent
 from kvblocks.hybrid import PLACEHOLDER, HybridKVCacheManager, LocalGroup
 from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy
 from tests.test_vllm_scenarios_mamba import evicted, index_of  # the same lookup mock, recurrent groups included

@@ -8,5 +8,6 @@ in :mod:`kvblocks.hashing`.
   dialects ``"vllm"`` and ``"sglang"``.
 * :mod:`kvblocks.interop.zmq_events` -- :class:`ZmqEventPublisher` (a kvblocks event transport that vLLM
   consumers read) and :class:`ZmqEventSubscriber` (an engine's stream into a kvblocks ``Router``, gaps filled
-  through the engine's replay socket).
+  through the engine's replay socket); the entry point of :mod:`~kvblocks.interop.zmq_publisher` and
+  :mod:`~kvblocks.interop.zmq_subscriber`, where the two halves live.
 """

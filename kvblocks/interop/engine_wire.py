@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from kvblocks.errors import ConfigError, EventDecodeError, InvalidArgumentError, InvalidTokenError, MissingExtraError
-from kvblocks.event_codec import (
+from kvblocks.events.codec import (
     EVENT_GROUP_KINDS,
     AllBlocksCleared,
     BlockRemoved,
@@ -111,7 +111,7 @@ SPEC_KIND_TO_GROUP_KIND: dict[str, str] = {
     "cross_attention": "cross_attention",
     "encoder_only_attention": "cross_attention",
 }
-"""vLLM's ``KVCacheSpecKind`` values -> :data:`kvblocks.event_codec.EVENT_GROUP_KINDS` (others: no kind)."""
+"""vLLM's ``KVCacheSpecKind`` values -> :data:`kvblocks.events.codec.EVENT_GROUP_KINDS` (others: no kind)."""
 
 _GROUP_KIND_TO_SPEC_KIND: dict[str, str] = {
     "full": "full_attention",
@@ -436,7 +436,7 @@ def encode_engine_events(
 ) -> bytes:
     """:func:`encode_engine_batch` of the batch ``(timestamp, events)``.
 
-    ``events`` may be a generator (:func:`kvblocks.event_codec.build_pending`): it is read once. The bytes are
+    ``events`` may be a generator (:func:`kvblocks.events.codec.build_pending`): it is read once. The bytes are
     those msgspec writes for the whole batch of structs (tests compare them); the hashes of the batch are
     converted together: a publisher thread holds the GIL while it encodes.
     """

@@ -33,7 +33,7 @@ from functools import partial
 from typing import Any, cast
 
 from kvblocks.errors import InvalidArgumentError, InvalidTokenError
-from kvblocks.event_codec import (
+from kvblocks.events.codec import (
     NO_ARG,
     AllBlocksCleared,
     BlockRemoved,
@@ -311,7 +311,7 @@ _specs: dict[str, dict[object, Any]] = {"vllm": {}, "sglang": {}}
 
 
 def _is_prefix(group: object, kind: object) -> bool:
-    """:func:`~kvblocks.event_codec.is_prefix_event` of an event with these tags."""
+    """:func:`~kvblocks.events.codec.is_prefix_event` of an event with these tags."""
     return kind == "full" or (kind is None and group in (None, 0))
 
 
@@ -568,7 +568,7 @@ def encode_pending_events(
     int_hashes: bool = True,
     dp_rank: int | None = None,
 ) -> bytes:
-    """The payload of the events of ``entries`` (:data:`~kvblocks.event_codec.PendingEvent`, as a sink holds
+    """The payload of the events of ``entries`` (:data:`~kvblocks.events.codec.PendingEvent`, as a sink holds
     them): ``encode_engine_events(build_pending(entries), timestamp, ...)``'s bytes, written without building
     the events a cache recorded (see the module docstring). Raises what that raises."""
     dialect = _check_dialect(dialect)

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from kvblocks.errors import ConfigError, InvalidArgumentError
-from kvblocks.event_codec import BlockStored, is_group_tag
 from kvblocks.events import EventSink, record_changes
+from kvblocks.events.codec import BlockStored, is_group_tag
 from kvblocks.hashing import BlockHash, Namespace
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.entry import HEADER, EntryFormat, StreamedChecksum, block_key, namespace_tag

@@ -3,7 +3,7 @@
 The oracle for the lazy path is the eager one: the same work on a twin manager whose sink has a subscriber
 (so every event is built at once, as ``emit`` does) gives the events the background publisher must deliver,
 number for number -- however late it builds them. Consumers are the strict index of
-``tests/test_events_wire.py``: an event applied twice, out of order or after an unnoticed loss raises.
+``tests/events/test_events_wire.py``: an event applied twice, out of order or after an unnoticed loss raises.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from typing import Any
 import pytest
 
 from kvblocks.errors import ConfigError
-from kvblocks.event_codec import build_pending
-from kvblocks.event_transport import InProcessTransport, pump
 from kvblocks.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -31,7 +29,9 @@ from kvblocks.events import (
     EventSink,
     KVEvent,
 )
-from tests.test_events_wire import Index, Workload, tree_view
+from kvblocks.events.codec import build_pending
+from kvblocks.events.transport import InProcessTransport, pump
+from tests.events.test_events_wire import Index, Workload, tree_view
 
 
 def ticking() -> Callable[[], float]:

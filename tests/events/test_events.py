@@ -56,3 +56,25 @@ def test_a_failing_subscriber_cannot_break_the_cache(caplog) -> None:
     assert m.num_computed_tokens("a") == 3 and len(m.tree) == 1
     assert sink.subscriber_errors == 1 and len(seen) == 1
     assert "subscriber bug" in caplog.text
+
+
+def test_the_old_module_paths_are_the_package_s_modules_names() -> None:
+    """``kvblocks.event_codec`` and ``kvblocks.event_transport`` (before the events became a package) still import,
+    every name the modules export being the package module's own object."""
+    import kvblocks.event_codec as old_codec
+    import kvblocks.event_transport as old_transport
+    from kvblocks.events import codec, transport
+
+    for old, new in ((old_codec, codec), (old_transport, transport)):
+        assert set(new.__all__) <= set(old.__all__)
+        assert all(getattr(old, name) is getattr(new, name) for name in old.__all__)
+
+
+def test_the_events_package_keeps_its_names_and_its_modules_stay_short() -> None:
+    from pathlib import Path
+
+    import kvblocks.events
+
+    assert {name for name in kvblocks.events.__all__ if not hasattr(kvblocks.events, name)} == set()
+    lengths = {p.name: len(p.read_text().splitlines()) for p in Path(kvblocks.events.__file__).parent.glob("*.py")}
+    assert {name: n for name, n in lengths.items() if n > 600} == {}

@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvblocks.event_transport import InProcessTransport, pump
 from kvblocks.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -22,6 +21,7 @@ from kvblocks.events import (
     EventSink,
     KVEvent,
 )
+from kvblocks.events.transport import InProcessTransport, pump
 from kvblocks.hashing import BlockHash
 from kvblocks.hybrid import LocalGroup, TieredHybridKVCacheManager
 from kvblocks.routing import Router, RouterConfig

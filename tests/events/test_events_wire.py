@@ -26,7 +26,6 @@ from kvblocks.errors import (
     InvalidArgumentError,
     KVBlocksError,
 )
-from kvblocks.event_transport import EventTransport, InProcessTransport, pump
 from kvblocks.events import (
     EVENT_FORMAT_VERSION,
     EventBatch,
@@ -36,6 +35,7 @@ from kvblocks.events import (
     decode_batch,
     encode_batch,
 )
+from kvblocks.events.transport import EventTransport, InProcessTransport, pump
 
 # ---------------------------------------------------------------------- helpers (also used by the Redis tests)
 
@@ -515,12 +515,11 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_the_transport_layer_never_imports_the_event_layer_above_it() -> None:
     graph = _package_imports()
-    for lower in ("kvblocks.event_transport", "kvblocks.event_codec"):
-        assert "kvblocks.events" not in _reachable(graph, lower), f"{lower} imports kvblocks.events"
-    assert not (
-        "kvblocks.event_transport" in _reachable(graph, "kvblocks.events")
-        and "kvblocks.events" in _reachable(graph, "kvblocks.event_transport")
-    )
+    above = {"kvblocks.events", "kvblocks.events.sink", "kvblocks.events.publisher", "kvblocks.events.consumer"}
+    for lower in ("kvblocks.events.transport", "kvblocks.events.codec"):
+        assert not above & _reachable(graph, lower), f"{lower} imports the event layer above it"
+    assert "kvblocks.events.transport" not in _reachable(graph, "kvblocks.events.codec")
+    assert "kvblocks.events.publisher" not in _reachable(graph, "kvblocks.events.sink")
 
 
 def test_no_kvblocks_module_imports_itself_through_others() -> None:
@@ -531,7 +530,10 @@ def test_no_kvblocks_module_imports_itself_through_others() -> None:
 
 
 def test_import_kvblocks_and_the_event_modules_does_not_load_redis() -> None:
-    code = "import sys, kvblocks, kvblocks.events, kvblocks.event_transport\nprint('redis' in sys.modules)"
+    code = (
+        "import sys, kvblocks, kvblocks.events, kvblocks.events.transport, kvblocks.event_transport\n"
+        "print('redis' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -770,7 +772,7 @@ def test_pump_survives_a_payload_that_raised_a_bare_value_error_and_feeds_the_re
 
 @pytest.mark.parametrize("error", [RecursionError, MemoryError, ValueError, TypeError, KeyError, OverflowError])
 def test_pump_survives_any_exception_from_decoding_and_changes_nothing_but_the_count(monkeypatch, error) -> None:
-    import kvblocks.event_transport as event_transport
+    import kvblocks.events.transport as event_transport
 
     real = event_transport.decode_batch
 

@@ -27,7 +27,7 @@ the less loaded worker, then to the earlier-added one. With ``temperature > 0`` 
 sampled from ``softmax(-cost / temperature)`` with the router's own seeded generator.
 
 The overlap of every worker comes from one walk over the prompt's hashes: an inverted index
-(:class:`~kvblocks.holder_index.HolderIndex`) maps a hash to a bitmask of the workers holding it, and a
+(:class:`~kvblocks.routing.holder_index.HolderIndex`) maps a hash to a bitmask of the workers holding it, and a
 worker's run ends where its bit first drops out::
 
     prompt blocks   h0     h1     h2     h3
@@ -51,214 +51,24 @@ import logging
 import math
 import random
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
-from types import TracebackType
-from typing import cast
 
 from kvblocks.errors import ConfigError, InvalidArgumentError, KVBlocksError
-from kvblocks.event_codec import is_prefix_event
 from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvblocks.hashing import (
-    DEFAULT_SCHEME,
-    HASH_SCHEMES,
-    BlockExtras,
-    BlockHash,
-    BlockHasher,
-    HashedTokens,
-    Namespace,
-    sglang_int_hash,
-    validate_block_hashes,
-    vllm_int_hash,
-)
-from kvblocks.holder_index import HolderIndex
+from kvblocks.events.codec import is_prefix_event
+from kvblocks.hashing import BlockExtras, BlockHash, BlockHasher, HashedTokens, validate_block_hashes
+from kvblocks.routing.config import HASH_FORMS, TIERS, RouterConfig
+from kvblocks.routing.holders import TieredHolders
+from kvblocks.routing.workers import Lease, WorkerLoad, WorkerState
 
 __all__ = ["Lease", "NoWorkerError", "Router", "RouterConfig", "WorkerLoad"]
 
 _log = logging.getLogger("kvblocks.routing")
-TIERS = ("device", "host", "storage")
-HASH_FORMS: dict[str, Callable[[BlockHash], BlockHash] | None] = {
-    "native": None,
-    "vllm-int64": vllm_int_hash,
-    "sglang-int64": sglang_int_hash,
-}
-"""How the workers' events write a block hash: as the scheme makes it (``"native"``), as vLLM's 64-bit
-integer form (``"vllm-int64"``, vLLM's default: :func:`kvblocks.hashing.vllm_int_hash`), or as SGLang's
-(``"sglang-int64"``: :func:`kvblocks.hashing.sglang_int_hash`)."""
 
 
 class NoWorkerError(KVBlocksError, RuntimeError):
     """No healthy worker can take a request (none added, or all draining)."""
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """How a :class:`Router` scores workers, validated once.
-
-    >>> RouterConfig(block_size=16, mode="approximate").approx_ttl_s
-    120.0
-    >>> RouterConfig(block_size=16, temperature=-1)
-    Traceback (most recent call last):
-    ...
-    kvblocks.errors.ConfigError: temperature must be a number >= 0, got -1
-    """
-
-    block_size: int
-    hash_scheme: str = DEFAULT_SCHEME
-    namespace: Namespace | str = "default"
-    hash_form: str = "native"
-    """How the workers' events write hashes (:data:`HASH_FORMS`): ``"vllm-int64"`` with a vLLM scheme
-    (``hash_scheme="vllm-sha256"``) indexes a vLLM fleet by recomputing its hashes from the prompt's tokens."""
-    mode: str = "precise"
-    """precise: indexes follow workers' KV events; approximate: the router's own routing decisions, with a TTL."""
-    approx_ttl_s: float = 120.0
-    prefill_weight: float = 1.0
-    decode_weight: float = 128.0
-    """Prefill tokens one running sequence weighs (decode work keeps a worker busy too)."""
-    overlap_credit: float = 1.0
-    tier_weights: tuple[tuple[str, float], ...] = (("device", 1.0), ("host", 0.5), ("storage", 0.25))
-    temperature: float = 0.0
-    seed: int | None = 0
-    silent_after_s: float = 30.0
-    """Precise mode: a worker routed to with no event for this long is reported silent."""
-    eviction_weight: float = 0.2
-    """Precise mode: cost (in blocks) per block a worker evicted recently, scaled by the share of the
-    prompt that would be new there: prompts that bring many new blocks avoid workers whose caches are
-    thrashing, while continuations stay with the worker that holds them."""
-    eviction_half_life: int = 64
-    """Routes after which recent evictions count half."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ConfigError(f"block_size must be a positive int, got {self.block_size!r}")
-        if self.mode not in ("precise", "approximate"):
-            raise ConfigError(f"mode must be 'precise' or 'approximate', got {self.mode!r}")
-        for name in ("approx_ttl_s", "silent_after_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
-        half_life = self.eviction_half_life
-        if isinstance(half_life, bool) or not isinstance(half_life, int) or half_life < 1:
-            raise ConfigError(f"eviction_half_life must be an int >= 1, got {half_life!r}")
-        for name in ("prefill_weight", "decode_weight", "overlap_credit", "temperature", "eviction_weight"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
-                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
-        if self.hash_scheme not in HASH_SCHEMES:
-            known = ", ".join(sorted(HASH_SCHEMES))
-            raise ConfigError(f"unknown hash scheme {self.hash_scheme!r}; known: {known}")
-        if not isinstance(self.hash_form, str) or self.hash_form not in HASH_FORMS:
-            raise ConfigError(f"hash_form must be one of {', '.join(HASH_FORMS)}, got {self.hash_form!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ConfigError(f"seed must be an int or None, got {self.seed!r}")
-        message = f"tier_weights must be (tier, weight) pairs, tiers among {TIERS}, weights numbers >= 0"
-        try:
-            weights = dict(self.tier_weights)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{message}; got {self.tier_weights!r}") from None
-        if set(weights) - set(TIERS) or any(
-            isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0 or math.isinf(w)
-            for w in weights.values()
-        ):
-            raise ConfigError(f"{message}; got {self.tier_weights!r}")
-        object.__setattr__(self, "tier_weights", tuple(weights.items()))
-        object.__setattr__(self, "namespace", Namespace.of(self.namespace))
-
-
-@dataclass
-class WorkerLoad:
-    """A worker's counters (a copy: reading it never changes the router)."""
-
-    worker: Hashable
-    running: int
-    inflight_prefill_tokens: int
-    cached_blocks: int
-    draining: bool
-    silent: bool
-    evicted_recently: float = 0.0
-
-
-@dataclass
-class _Worker:
-    id: Hashable
-    bit: int
-    order: int
-    running: int = 0
-    inflight: int = 0
-    draining: bool = False
-    removed: bool = False
-    held: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))  # blocks per tier
-    last_event: float | None = None
-    routed_since_event: float | None = None  # when the first route after the last event was sent
-    silent: bool = False
-    version: int = 0  # bumped on every load change: older heap entries are stale
-    evicted_recently: float = 0.0  # blocks evicted, halved every eviction_half_life routes
-
-
-class Lease:
-    """The counters one routed request holds on its worker; released exactly once.
-
-    Use it as a context manager (also ``async with``): leaving the block -- normally, by an
-    exception, or by cancellation -- releases it. :meth:`prefill_done` gives the prefill
-    tokens back early (the prefill finished; the sequence keeps running). A lease that is
-    garbage collected unreleased is released then, with a warning.
-    """
-
-    __slots__ = ("_prefill_open", "_router", "_worker", "closed", "overlap_blocks", "prefill_tokens", "worker")
-
-    def __init__(self, router: Router, worker: _Worker, prefill_tokens: int, overlap_blocks: float) -> None:
-        self._router = router
-        self._worker = worker
-        self.worker = worker.id
-        self.prefill_tokens = prefill_tokens
-        self.overlap_blocks = overlap_blocks
-        self._prefill_open = True
-        self.closed = False
-
-    def prefill_done(self) -> None:
-        """The prefill finished: its tokens leave the worker's in-flight count (once)."""
-        if self._prefill_open:
-            self._prefill_open = False
-            self._router._change_load(self._worker, 0, -self.prefill_tokens)
-
-    def release(self) -> None:
-        """The request ended (finished, failed or cancelled). Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        pending = self.prefill_tokens if self._prefill_open else 0
-        self._prefill_open = False
-        self._router._change_load(self._worker, -1, -pending)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
-        self.release()
-
-    async def __aenter__(self) -> Lease:
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        if not getattr(self, "closed", True):
-            warnings.warn(
-                f"a routing lease on worker {self.worker!r} was garbage collected unreleased; releasing it now",
-                ResourceWarning,
-                stacklevel=2,
-            )
-            self._router.leaked_leases += 1
-            self.release()
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else ("decoding" if not self._prefill_open else "prefilling")
-        return f"Lease(worker={self.worker!r}, prefill_tokens={self.prefill_tokens}, {state})"
 
 
 class Router:
@@ -280,19 +90,18 @@ class Router:
         self._hasher = BlockHasher(config.block_size, config.hash_scheme, config.namespace)
         self._hash_form = HASH_FORMS[config.hash_form]
         self._weights = {t: float(w) for t, w in config.tier_weights}
-        self._workers: dict[Hashable, _Worker] = {}
-        self._by_bit: dict[int, _Worker] = {}
+        self._workers: dict[Hashable, WorkerState] = {}
+        self._by_bit: dict[int, WorkerState] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
         self._order = 0
         self._healthy = 0  # bitmask of workers that may take requests
-        self._index = HolderIndex()  # hash -> workers holding it in any tier: what the walk reads
-        self._tiers: dict[str, dict[int, int]] | None = None  # per-tier masks by folded key, once a
-        # worker reports a tier other than the device (until then the index is the device tier)
+        self._holders = TieredHolders(self._weights)  # which workers hold which blocks, per tier
+        self._index = self._holders.index  # the same: hash -> workers holding it in any tier (what the walk reads)
         self._expiry: dict[tuple[int, BlockHash], float] = {}
         self._expiry_queue: deque[tuple[float, int, BlockHash]] = deque()
         self._rng = random.Random(config.seed)
-        self._heap: list[tuple[float, int, int, int, _Worker]] = []
+        self._heap: list[tuple[float, int, int, int, WorkerState]] = []
         self._routes_since_decay = 0
         self.routed = 0
         self.leaked_leases = 0
@@ -312,7 +121,7 @@ class Router:
         bit = self._free_bits.pop() if self._free_bits else self._next_bit
         if bit == self._next_bit:
             self._next_bit += 1
-        w = _Worker(worker, bit, self._order)
+        w = WorkerState(worker, bit, self._order)
         self._order += 1
         self._workers[worker] = w
         self._by_bit[bit] = w
@@ -334,7 +143,7 @@ class Router:
     def remove_worker(self, worker: Hashable) -> None:
         """Forget ``worker`` and its index. Its open leases can still be released (into its old counters)."""
         w = self._worker(worker)
-        self._clear(w, TIERS)
+        self._holders.clear(w, TIERS)
         del self._workers[worker]
         del self._by_bit[w.bit]
         self._healthy &= ~(1 << w.bit)
@@ -357,13 +166,13 @@ class Router:
             w.evicted_recently,
         )
 
-    def _worker(self, worker: Hashable) -> _Worker:
+    def _worker(self, worker: Hashable) -> WorkerState:
         try:
             return self._workers[worker]
         except (KeyError, TypeError):
             raise InvalidArgumentError(f"unknown worker {worker!r}") from None
 
-    def _change_load(self, w: _Worker, running: int, inflight: int) -> None:
+    def _change_load(self, w: WorkerState, running: int, inflight: int) -> None:
         # leases release exactly once, so these never go negative (check_integrity verifies it)
         w.running += running
         w.inflight += inflight
@@ -390,91 +199,22 @@ class Router:
             if not is_prefix_event(event):
                 continue  # another group's copy of the chain: not the prefix this index scores
             if isinstance(event, BlockStored):
-                self._add(w, event.tier, event.block_hashes, event.parent_hash)
+                self._holders.add(w, event.tier, event.block_hashes, event.parent_hash)
             elif isinstance(event, BlockRemoved):
-                self._remove(w, event.tier, event.block_hashes)
+                self._holders.remove(w, event.tier, event.block_hashes)
                 if event.tier == "device" and self.config.eviction_weight:
                     w.evicted_recently += len(event.block_hashes)
                     self._push(w)
             else:
-                self._clear(w, (event.tier,))
+                self._holders.clear(w, (event.tier,))
         w.last_event = self._clock()
         w.routed_since_event = None
         w.silent = False
 
     def replace_index(self, worker: Hashable, events: Iterable[KVEvent]) -> None:
         """A snapshot of ``worker``'s cache replaces what the router knew (``EventConsumer``'s ``on_snapshot``)."""
-        self._clear(self._worker(worker), TIERS)
+        self._holders.clear(self._worker(worker), TIERS)
         self.apply_events(worker, events)
-
-    def _add(self, w: _Worker, tier: str, hashes: Sequence[BlockHash], parent: BlockHash | None) -> None:
-        if tier not in w.held:
-            return  # a tier the router does not score
-        if self._tiers is None:
-            if tier == "device":
-                w.held["device"] += self._index.add(w.bit, hashes, parent)
-                return
-            self._split_tiers()
-        tiers = cast(dict[str, dict[int, int]], self._tiers)
-        bit = 1 << w.bit
-        masks = tiers[tier]
-        keys = self._index.fold_all(hashes)
-        for key in keys:
-            m = masks.get(key, 0)
-            if not m & bit:
-                masks[key] = m | bit
-                w.held[tier] += 1
-        self._index.add_keys(w.bit, keys, None if parent is None else self._index.fold(parent))
-
-    @property
-    def _device_only(self) -> bool:
-        """Only device blocks are held (every overlap is its run at the device weight)."""
-        tiers = self._tiers
-        return tiers is None or (not tiers["host"] and not tiers["storage"])
-
-    def _split_tiers(self) -> None:
-        """A tier other than the device appears: from now on each tier keeps its own masks (the index
-        keeps their union, for the walk)."""
-        self._tiers = {t: {} for t in TIERS}
-        self._tiers["device"] = dict(self._index.items())
-
-    def _remove(self, w: _Worker, tier: str, hashes: Iterable[BlockHash]) -> None:
-        if tier not in w.held:
-            return
-        if self._tiers is None:
-            if tier == "device":
-                w.held["device"] -= self._index.remove(w.bit, hashes)
-            return
-        bit = 1 << w.bit
-        masks = self._tiers[tier]
-        keys = dict.fromkeys(self._index.fold_all(hashes))
-        self._remove_keys(w, tier, [k for k in keys if masks.get(k, 0) & bit])
-
-    def _clear(self, w: _Worker, tiers: Iterable[str]) -> None:
-        tiers = [t for t in tiers if t in w.held]
-        if self._tiers is None:
-            if "device" in tiers:
-                self._index.clear(w.bit)
-                w.held["device"] = 0
-            return
-        bit = 1 << w.bit
-        for tier in tiers:
-            keys = [key for key, m in self._tiers[tier].items() if m & bit]
-            self._remove_keys(w, tier, keys)
-
-    def _remove_keys(self, w: _Worker, tier: str, keys: list[int]) -> None:
-        """Tiered: ``w`` drops ``keys`` (which it holds in ``tier``); the index, those it holds nowhere now."""
-        bit = 1 << w.bit
-        tiers = cast(dict[str, dict[int, int]], self._tiers)
-        masks = tiers[tier]
-        for key in keys:
-            m = masks[key] & ~bit
-            if m:
-                masks[key] = m
-            else:
-                del masks[key]
-        w.held[tier] -= len(keys)
-        self._index.remove_keys(w.bit, [k for k in keys if not any(t.get(k, 0) & bit for t in tiers.values())])
 
     def _expire(self, now: float) -> None:
         queue = self._expiry_queue
@@ -487,7 +227,7 @@ class Router:
         for bit, hashes in expired.items():  # a worker's expired blocks in one batch, so that a prompt
             w = self._by_bit.get(bit)  # expiring whole is no hole in its cache
             if w is not None:
-                self._remove(w, "device", hashes)
+                self._holders.remove(w, "device", hashes)
 
     # ------------------------------------------------------------------ routing
 
@@ -506,48 +246,13 @@ class Router:
     def overlaps(self, hashes: Sequence[BlockHash]) -> dict[Hashable, float]:
         """Weighted leading overlap of ``hashes`` with each healthy worker holding part of it (workers
         with none are left out, so the cost does not grow with idle workers). Pure."""
-        return {self._by_bit[bit].id: v for bit, v in self._overlaps(hashes, self._healthy).items()}
-
-    def _weighted(self, hashes: Sequence[BlockHash], bit: int, run: int) -> float:
-        """A run's overlap with each block weighted by the best tier of ``bit``'s worker holding it."""
-        weights = self._weights
-        device = weights.get("device", 0.0)
-        if self._device_only:
-            return run * device
-        tiers = cast(dict[str, dict[int, int]], self._tiers)
-        device_masks, host_masks = tiers["device"], tiers["host"]
-        host_w, storage_w = weights.get("host", 0.0), weights.get("storage", 0.0)
-        fold = self._index.fold
-        b = 1 << bit
-        total = 0.0
-        for h in hashes[:run]:
-            key = fold(h)
-            if device_masks.get(key, 0) & b:
-                total += device
-            elif host_masks.get(key, 0) & b:
-                total += host_w
-            else:
-                total += storage_w
-        return total
-
-    def _overlaps(self, hashes: Sequence[BlockHash], alive: int) -> dict[int, float]:
-        """Weighted overlap by worker bit, for the workers of ``alive`` with a nonzero run."""
-        out: dict[int, float] = {}
-        for run, mask in self._index.runs(hashes, alive):
-            if not run:
-                continue
-            while mask:
-                low = mask & -mask
-                bit = low.bit_length() - 1
-                out[bit] = self._weighted(hashes, bit, run)
-                mask ^= low
-        return out
+        return {self._by_bit[bit].id: v for bit, v in self._holders.overlaps(hashes, self._healthy).items()}
 
     # The least-loaded healthy worker without any overlap is read off a heap of (load cost, load, order)
     # entries with lazy invalidation, so a route costs O(workers holding part of the prompt + log n),
     # not O(all workers).
 
-    def _base(self, w: _Worker) -> float:
+    def _base(self, w: WorkerState) -> float:
         """The part of a worker's cost that does not depend on the prompt."""
         config = self.config
         return (
@@ -566,11 +271,11 @@ class Router:
             w.evicted_recently /= 2
         self._rebuild_heap()
 
-    def _heap_entry(self, w: _Worker) -> tuple[float, int, int, int, _Worker]:
+    def _heap_entry(self, w: WorkerState) -> tuple[float, int, int, int, WorkerState]:
         w.version += 1  # older entries of w are stale from now on
         return (self._base(w), w.running + w.inflight, w.order, w.version, w)
 
-    def _push(self, w: _Worker) -> None:
+    def _push(self, w: WorkerState) -> None:
         heapq.heappush(self._heap, self._heap_entry(w))
         if len(self._heap) > 4 * len(self._workers) + 64:
             self._rebuild_heap()
@@ -580,7 +285,7 @@ class Router:
         self._heap = [self._heap_entry(w) for w in self._workers.values() if not w.draining]
         heapq.heapify(self._heap)
 
-    def _least_loaded(self) -> tuple[float, int, int, int, _Worker] | None:
+    def _least_loaded(self) -> tuple[float, int, int, int, WorkerState] | None:
         heap = self._heap
         while heap:
             top = heap[0]
@@ -629,7 +334,7 @@ class Router:
         blocks = len(scored)
         pw, credit = config.prefill_weight, config.overlap_credit
         if config.temperature:
-            overlaps = self._overlaps(scored, alive)
+            overlaps = self._holders.overlaps(scored, alive)
             costs = [
                 (pw * max(0.0, blocks - credit * overlaps.get(w.bit, 0.0)) + self._base(w), w)
                 for w in self._workers.values()
@@ -650,7 +355,7 @@ class Router:
             best.routed_since_event = now
         return lease
 
-    def _cheapest(self, hashes: Sequence[BlockHash], alive: int, blocks: int) -> tuple[_Worker, float]:
+    def _cheapest(self, hashes: Sequence[BlockHash], alive: int, blocks: int) -> tuple[WorkerState, float]:
         """The lowest (cost, load, order) among healthy workers, and its overlap."""
         config = self.config
         pw, credit = config.prefill_weight, config.overlap_credit
@@ -658,14 +363,14 @@ class Router:
         ew = config.eviction_weight
         per_token = pw / config.block_size
         by_bit = self._by_bit
-        best: _Worker | None = None
+        best: WorkerState | None = None
         best_cost = math.inf
         best_tie = (0, 0)
         best_overlap = 0.0
         idle = self._least_loaded()  # as if it held nothing: a worker's true cost is never higher
         if idle is not None:
             best, best_cost, best_tie = idle[4], pw * blocks + idle[0], (idle[1], idle[2])
-        device_only = self._device_only
+        device_only = self._holders.device_only
         device = self._weights.get("device", 0.0)
         top_weight = max(self._weights.values(), default=0.0)
         # no worker's load cost is below the heap's top (with eviction pressure scaled per prompt: below 0)
@@ -699,7 +404,7 @@ class Router:
                     mask ^= low
                     w = by_bit[low.bit_length() - 1]
                     if not device_only:
-                        overlap = self._weighted(hashes, w.bit, run)
+                        overlap = self._holders.weighted(hashes, w.bit, run)
                         part = pw * max(0.0, blocks - credit * overlap)
                     cost = part + per_token * w.inflight + dw * w.running
                     if ew:  # eviction pressure weighs the blocks this prompt would add to the worker
@@ -720,21 +425,21 @@ class Router:
             return 1
         return max(1, math.ceil((blocks - slack / pw) / per_block) - 1)
 
-    def _sample(self, costs: list[tuple[float, _Worker]]) -> _Worker:
+    def _sample(self, costs: list[tuple[float, WorkerState]]) -> WorkerState:
         low = min(c for c, _ in costs)
         t = self.config.temperature
         weights = [math.exp(-(c - low) / t) for c, _ in costs]
         return self._rng.choices([w for _, w in costs], weights)[0]
 
-    def _remember(self, w: _Worker, hashes: Sequence[BlockHash], expires: float) -> None:
-        self._add(w, "device", hashes, None)
+    def _remember(self, w: WorkerState, hashes: Sequence[BlockHash], expires: float) -> None:
+        self._holders.add(w, "device", hashes, None)
         for h in hashes:
             self._expiry[(w.bit, h)] = expires
             self._expiry_queue.append((expires, w.bit, h))
 
     # ------------------------------------------------------------------ health
 
-    def _is_silent(self, w: _Worker) -> bool:
+    def _is_silent(self, w: WorkerState) -> bool:
         if self.config.mode != "precise" or w.routed_since_event is None:
             return False
         quiet_since = w.routed_since_event if w.last_event is None else max(w.last_event, w.routed_since_event)
@@ -757,20 +462,7 @@ class Router:
         """The inverted index equals the workers' own sets; counters are never negative."""
         from kvblocks.errors import IntegrityError
 
-        self._index.check()
-        union: dict[int, int] = {}
-        if self._tiers is not None:
-            for tier, masks in self._tiers.items():
-                for key, m in masks.items():
-                    union[key] = union.get(key, 0) | m
-                for w in self._workers.values():
-                    if w.held[tier] != sum(1 for m in masks.values() if m >> w.bit & 1):
-                        raise IntegrityError(f"worker {w.id!r}: its {tier} count is stale")
-            if union != dict(self._index.items()):
-                raise IntegrityError("router index is not the union of its tiers")
-        for w in self._workers.values():
-            if self._tiers is None and w.held["device"] != self._index.held(w.bit):
-                raise IntegrityError(f"worker {w.id!r}: its device count is stale")
+        self._holders.check(self._workers.values())
         for w in self._workers.values():
             if w.running < 0 or w.inflight < 0:
                 raise IntegrityError(f"worker {w.id!r} has negative load")

@@ -12,8 +12,8 @@ import pytest
 
 from kvblocks import AllBlocksCleared, EventSink
 from kvblocks.errors import ConfigError
-from kvblocks.event_transport import EventTransport, RedisStreamTransport, pump
 from kvblocks.events import EventBatch, EventPublisher, encode_batch
+from kvblocks.events.transport import EventTransport, RedisStreamTransport, pump
 
 from .test_events_wire import Index, Workload, tree_view
 

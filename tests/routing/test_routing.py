@@ -307,8 +307,8 @@ def test_a_hybrid_workers_events_through_the_wire_keep_the_router_equal_to_its_f
     """A full-attention tree and a sliding-window index share a sink, as in a hybrid manager; their tagged
     events go through a publisher, bytes, a consumer and a snapshot into the router."""
     from kvblocks import BlockPool, PrefixTree
-    from kvblocks.event_transport import InProcessTransport, pump
     from kvblocks.events import EventConsumer, EventPublisher
+    from kvblocks.events.transport import InProcessTransport, pump
     from kvblocks.hybrid.block_index import FlatBlockIndex
 
     sink = EventSink()

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvblocks.errors import IntegrityError, InvalidArgumentError, InvalidBlockHashError
-from kvblocks.holder_index import M64, PROBE_LIMIT, HolderIndex
+from kvblocks.routing.holder_index import M64, PROBE_LIMIT, HolderIndex
 
 WORKERS = 5
 FOREST = 60
@@ -475,3 +475,22 @@ def test_probe_limit_is_validated() -> None:
     for bad in (0, -1, 1.5, True, "8"):
         with pytest.raises(InvalidArgumentError):
             HolderIndex(probe_limit=bad)  # type: ignore[arg-type]
+
+
+def test_the_old_module_path_is_the_package_s_module() -> None:
+    import kvblocks.holder_index as old
+    import kvblocks.routing.holder_index as new
+
+    assert old.__all__ == ["M64", "PROBE_LIMIT", "HolderIndex"]
+    assert all(getattr(old, name) is getattr(new, name) for name in old.__all__)
+
+
+def test_the_routing_package_keeps_its_names_and_its_modules_stay_short() -> None:
+    from pathlib import Path
+
+    import kvblocks.routing
+
+    assert sorted(kvblocks.routing.__all__) == ["Lease", "NoWorkerError", "Router", "RouterConfig", "WorkerLoad"]
+    assert all(hasattr(kvblocks.routing, name) for name in kvblocks.routing.__all__)
+    lengths = {p.name: len(p.read_text().splitlines()) for p in Path(kvblocks.routing.__file__).parent.glob("*.py")}
+    assert {name: n for name, n in lengths.items() if n > 600} == {}

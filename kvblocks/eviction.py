@@ -327,15 +327,6 @@ class S3FIFO(MutableMapping[int, float]):
         self._freq[block] = 0
         self._in_main[block] = 0
 
-    def _remember(self, key: object) -> None:
-        if key is None or not self.ghost_size:
-            return
-        ghost = self._ghost
-        ghost[key] = None
-        ghost.move_to_end(key)
-        if len(ghost) > self.ghost_size:
-            ghost.popitem(last=False)
-
     def victims(
         self,
         count: int,
@@ -344,6 +335,7 @@ class S3FIFO(MutableMapping[int, float]):
         stamps: list[float] | None = None,
     ) -> list[int]:
         small, main, freq, in_main, share = self._small, self._main, self._freq, self._in_main, self.small_share
+        content, ghost, ghost_size = self._content, self._ghost, self.ghost_size
         blocked = blockers if parent is not None else None  # a tree's child counts; None: every block may go
         up: Sequence[int] = parent if parent is not None else ()
         out: list[int] = []
@@ -359,7 +351,14 @@ class S3FIFO(MutableMapping[int, float]):
                     freq[b] = 0
                     futile = 0
                     continue
-                self._remember(self._content[b])
+                if ghost_size:  # the content is remembered (a block's key is never None while it is idle)
+                    key = content[b]
+                    if key in ghost:
+                        ghost.move_to_end(key)
+                    else:
+                        ghost[key] = None
+                        if len(ghost) > ghost_size:
+                            ghost.popitem(last=False)
             else:
                 b, stamp = main.popitem(last=False)
                 if freq[b]:
@@ -375,7 +374,8 @@ class S3FIFO(MutableMapping[int, float]):
                             "idle blocks exist but every one is blocked: an idle block has a cached child in use"
                         )
                     continue
-            self._forget(b)
+            content[b] = None  # forgotten: its queue and frequency belonged to the evicted content
+            freq[b] = in_main[b] = 0
             if blocked is not None:
                 blocked[up[b]] -= 1
             if stamps is not None:

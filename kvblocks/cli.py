@@ -1,7 +1,7 @@
 """The ``kvblocks`` command: replay a trace, sweep cache capacities, plan KV memory.
 
     kvblocks replay [TRACE] [--blocks N] [--workers N] [--concurrency N] [--reference] [--check] [--json]
-    kvblocks sweep TRACE --capacities 1000,5000,10%,50% [--csv PATH] [--plot PATH]
+    kvblocks sweep TRACE --capacities 1000,5000,10%,50% [--eviction lru,s3fifo] [--csv PATH] [--plot PATH]
     kvblocks plan (--model NAME | --layers L --kv-heads H --head-dim D) --dtype T --block-size B --memory 40GiB
     kvblocks plan --model gemma-3-27b --memory 40G [--context 32768]   (a hybrid preset: memory per group)
 
@@ -164,6 +164,22 @@ def _capacities(text: str) -> list[str]:
     return items
 
 
+def _evictions(text: str) -> list[str]:
+    from kvblocks.eviction import EVICTION_POLICIES
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    for name in names:
+        if name not in EVICTION_POLICIES:
+            raise argparse.ArgumentTypeError(
+                f"unknown eviction policy {_short(name)}; known: {', '.join(EVICTION_POLICIES)}"
+            )
+    if not names:
+        raise argparse.ArgumentTypeError("give at least one eviction policy")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{_short(text)} names a policy twice")
+    return names
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -208,6 +224,14 @@ def _trace_options(p: argparse.ArgumentParser) -> None:
         default=0,
         help="a storage tier of N entries shared by the workers "
         f"(default 0: none; at most {top['storage_blocks'][1]:,})",
+    )
+    p.add_argument(
+        "--eviction",
+        type=_evictions,
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="eviction policy of every tier: lru (default) or s3fifo; sweep takes a comma-separated list and "
+        "adds an eviction column, one curve per policy",
     )
     p.add_argument(
         "--reference",
@@ -371,6 +395,10 @@ def _replay_options(args: argparse.Namespace, trace: Any) -> dict[str, Any]:
     names = ("concurrency", "workers", "reference", "host_blocks", "storage_blocks", "check")
     options = {name: getattr(args, name) for name in names}
     options["block_size"] = _block_size(args, trace)
+    if args.eviction is not None:
+        if args.command == "replay" and len(args.eviction) != 1:
+            raise ConfigError(f"--eviction {','.join(args.eviction)}: replay runs one policy; sweep compares several")
+        options["eviction"] = args.eviction[0]
     return options
 
 
@@ -487,6 +515,8 @@ def _report(args: argparse.Namespace, trace: Any, result: Any) -> str:
     ]
     if result.load_balance is not None:
         lines.append(("load balance", f"max/min prefill tokens per worker {result.load_balance:.2f}"))
+    if args.eviction is not None:
+        lines.append(("eviction", f"{result.eviction} (every tier)"))
     if args.reference:
         lines.append(("counting", "every hash id as a full block (Mooncake's published definition)"))
     width = max(len(k) for k, _ in lines)
@@ -517,7 +547,8 @@ def _sweep_capacities(args: argparse.Namespace, trace: Any, options: dict[str, A
 
 
 def _columns(args: argparse.Namespace) -> list[str]:
-    names = ["capacity_blocks", "share_of_unlimited", "token_hit_rate", "block_hit_rate", "evicted_blocks"]
+    names = ["eviction"] if args.eviction is not None else []
+    names += ["capacity_blocks", "share_of_unlimited", "token_hit_rate", "block_hit_rate", "evicted_blocks"]
     if args.host_blocks or args.storage_blocks:
         names.append("device_token_hit_rate")
         names += ["host_token_hit_rate"] if args.host_blocks else []
@@ -526,7 +557,8 @@ def _columns(args: argparse.Namespace) -> list[str]:
 
 
 def _row(args: argparse.Namespace, capacity: int, unlimited: int, result: Any) -> list[object]:
-    row: list[object] = [capacity, f"{capacity / unlimited:.4f}", f"{result.token_hit_rate:.6f}"]
+    row: list[object] = [result.eviction] if args.eviction is not None else []
+    row += [capacity, f"{capacity / unlimited:.4f}", f"{result.token_hit_rate:.6f}"]
     row += [f"{result.block_hit_rate:.6f}", result.evicted_blocks]
     total = result.prompt_tokens or 1
     if args.host_blocks or args.storage_blocks:
@@ -550,23 +582,29 @@ def _cmd_sweep(args: argparse.Namespace, out: Any) -> None:
     capacities = _sweep_capacities(args, trace, options, unlimited)
     handle = _open_csv(args.csv) if args.csv is not None else None
     sink = handle if handle is not None else out
-    progress = _Progress(len(capacities) * len(trace), "kvblocks sweep", _CHECKING if args.check else "")
-    rates: list[float] = []
+    policies = args.eviction if args.eviction is not None else ["lru"]
+    options.pop("eviction", None)  # one replay per policy
+    runs = len(capacities) * len(policies)
+    progress = _Progress(runs * len(trace), "kvblocks sweep", _CHECKING if args.check else "")
+    curves: dict[str, list[tuple[int, float]]] = {}
     try:
         writer = csv.writer(sink, lineterminator="\n")
         writer.writerow(_columns(args))
-        for capacity in capacities:
-            result = replay(trace, blocks=capacity, progress=progress.update, **options)
-            rates.append(result.token_hit_rate)
-            progress.clear()
-            writer.writerow(_row(args, capacity, unlimited, result))
-            sink.flush()
+        for policy in policies:
+            for capacity in capacities:
+                result = replay(trace, blocks=capacity, progress=progress.update, eviction=policy, **options)
+                curves.setdefault(policy, []).append((capacity, result.token_hit_rate))
+                progress.clear()
+                writer.writerow(_row(args, capacity, unlimited, result))
+                sink.flush()
     finally:
         progress.close()
         if handle is not None:
             handle.close()
     if plot is not None:
-        _draw(plot, args.plot, _what_ran(args, trace, options), sorted(zip(capacities, rates)), options, unlimited)
+        labelled = args.eviction is not None
+        points = {(policy if labelled else ""): sorted(curve) for policy, curve in curves.items()}
+        _draw(plot, args.plot, _what_ran(args, trace, options), points, options, unlimited)
 
 
 def _what_ran(args: argparse.Namespace, trace: Any, options: dict[str, Any]) -> str:
@@ -583,15 +621,24 @@ def _what_ran(args: argparse.Namespace, trace: Any, options: dict[str, Any]) -> 
 
 
 def _draw(
-    plot: Any, path: str, title: str, points: list[tuple[int, float]], options: dict[str, Any], unlimited: int
+    plot: Any,
+    path: str,
+    title: str,
+    curves: dict[str, list[tuple[int, float]]],
+    options: dict[str, Any],
+    unlimited: int,
 ) -> None:
-    """The curve in capacity order, hit rate from 0, ticks chosen by matplotlib (they never overprint) with the
-    share of the unlimited capacity on the top axis."""
+    """One curve per eviction policy (labelled unless its name is ""), in capacity order, hit rate from 0, ticks
+    chosen by matplotlib (they never overprint) with the share of the unlimited capacity on the top axis."""
     ticker = importlib.import_module("matplotlib.ticker")
     figure, axes = plot.subplots(figsize=(7, 4.5), layout="constrained")
-    axes.plot([c for c, _ in points], [100 * r for _, r in points], marker="o")
+    for label, points in curves.items():
+        axes.plot([c for c, _ in points], [100 * r for _, r in points], marker="o", label=label or None)
+    if any(curves):
+        axes.legend(title="eviction")
+    best = max(r for points in curves.values() for _, r in points)
     axes.set_xlim(left=0)
-    axes.set_ylim(bottom=0, top=max(1.0, min(100.0, 1.15 * 100 * max(r for _, r in points))))
+    axes.set_ylim(bottom=0, top=max(1.0, min(100.0, 1.15 * 100 * best)))
     axes.xaxis.set_major_locator(ticker.MaxNLocator(nbins=6, integer=True))
     axes.xaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:,.0f}"))
     axes.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:.0f}%"))

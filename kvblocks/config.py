@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvblocks.errors import ConfigError
+from kvblocks.eviction import DEFAULT_EVICTION, check_eviction
 from kvblocks.hashing import DEFAULT_SCHEME, HASH_SCHEMES, Namespace
 
 __all__ = ["CacheConfig"]
@@ -37,6 +38,9 @@ class CacheConfig:
     """Free blocks an admission must leave, so that running sequences can grow (vLLM's watermark)."""
     drop_last_matched_block: bool = False
     """A hit gives up its last matched block (EAGLE / MTP drafters need that block's hidden states)."""
+    eviction: str = DEFAULT_EVICTION
+    """Which idle device block goes first: a name in :data:`kvblocks.eviction.EVICTION_POLICIES` (``"lru"``,
+    ``"s3fifo"``)."""
 
     def __post_init__(self) -> None:
         _positive_int(self.num_blocks, "num_blocks")
@@ -51,3 +55,4 @@ class CacheConfig:
             raise ConfigError(f"reserved_blocks must be an int in [0, num_blocks), got {reserve!r}")
         if not isinstance(self.drop_last_matched_block, bool):
             raise ConfigError(f"drop_last_matched_block must be a bool, got {self.drop_last_matched_block!r}")
+        check_eviction(self.eviction)

@@ -46,6 +46,7 @@ from kvblocks.errors import (
     UnknownSequenceError,
 )
 from kvblocks.events import BlockStored, EventSink
+from kvblocks.eviction import DEFAULT_EVICTION
 from kvblocks.hashing import (
     DEFAULT_SCHEME,
     BlockExtras,
@@ -111,9 +112,8 @@ class _TimedTree(PrefixTree):
 
     A subclass rather than a hook in :meth:`KVCacheManager._take`, so that every eviction of
     the device tier -- the tiered and disaggregated managers' own ``_take`` included -- is seen.
-    It costs nothing off the eviction path and allocates nothing per block on it. It relies on
-    the manager's release order (children before parents; ``check_integrity`` checks it): the
-    tree then evicts exactly the idle LRU's first blocks, so their stamps are read there first.
+    It costs nothing off the eviction path and allocates nothing per block on it: the eviction
+    policy hands over the victims' idle stamps as it drops them.
     """
 
     __slots__ = ("lifetimes",)
@@ -130,12 +130,13 @@ class _TimedTree(PrefixTree):
         super().__init__(pool, tier="device", events=events, group=group, group_kind=group_kind, block_size=block_size)
         self.lifetimes = BlockLifetimes()
 
-    def evict(self, count: int, removed_hashes: list[BlockHash] | None = None) -> list[int]:
+    def _victims(self, count: int) -> list[int]:
         pool = self.pool
-        idle = pool._idle  # block -> when it became idle; the tree deletes the evicted ones: read them first
-        if type(count) is int and count > 0 and idle:
-            self.lifetimes.observe(pool.clock(), pool._taken_at, idle.items(), min(count, len(idle)))
-        return super().evict(count, removed_hashes)
+        stamps: list[float] = []  # when each victim became idle
+        evicted = pool._policy.victims(count, self._num_children, self._parent_of, stamps)
+        if evicted:
+            self.lifetimes.observe(pool.clock(), pool._taken_at, zip(evicted, stamps), len(evicted))
+        return evicted
 
 
 class _Sequence:
@@ -214,7 +215,10 @@ class KVCacheManager:
         event_sink: EventSink | None = None,
         reserved_blocks: int = 0,
         drop_last_matched_block: bool = False,
+        eviction: str = DEFAULT_EVICTION,
     ) -> None:
+        """``eviction``: which idle block goes first, ``"lru"`` (default) or ``"s3fifo"``
+        (:mod:`kvblocks.eviction`); the other arguments are :class:`~kvblocks.config.CacheConfig`'s."""
         config = CacheConfig(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -223,6 +227,7 @@ class KVCacheManager:
             enable_prefix_caching=enable_prefix_caching,
             reserved_blocks=reserved_blocks,
             drop_last_matched_block=drop_last_matched_block,
+            eviction=eviction,
         )
         self._setup(config, event_sink)
 
@@ -241,7 +246,7 @@ class KVCacheManager:
         self._reserve = config.reserved_blocks
         self._drop_last = config.drop_last_matched_block
         self._hasher = BlockHasher(config.block_size, config.hash_scheme, config.namespace)
-        self._pool = BlockPool(config.num_blocks)
+        self._pool = BlockPool(config.num_blocks, eviction=config.eviction)
         group, kind = self._tree_group
         self._tree = _TimedTree(
             self._pool, events=event_sink, group=group, group_kind=kind, block_size=config.block_size
@@ -929,10 +934,11 @@ class KVCacheManager:
         """Add references held by something other than sequences' tables and pins (none here)."""
 
     def _check_release_order(self) -> None:
-        """A node in use has its parent in use; an idle node was released before its idle parent."""
+        """A node in use has its parent in use; with LRU, an idle node was released before its idle parent
+        (another policy's order is its own: it keeps a blocked parent until its children are gone)."""
         pool = self._pool
         tree = self._tree
-        position = {b: i for i, b in enumerate(pool.idle_lru())}
+        position = {b: i for i, b in enumerate(pool.idle_order())} if pool.eviction == "lru" else {}
         for b in range(pool.num_blocks):
             parent = tree.parent_of(b) if tree.hash_of(b) is not None else None
             if parent is None:

@@ -4,7 +4,7 @@ Every block is in exactly one of three states::
 
     FRESH   ref 0, holds nothing findable      -> in the fresh queue, handed out first
     IN USE  ref > 0, held by one or more owners
-    IDLE    ref 0, holds cached content         -> in the idle LRU (oldest first), evictable
+    IDLE    ref 0, holds cached content         -> known to the eviction policy, evictable
 
     take_fresh:  FRESH -> IN USE          acquire: IDLE -> IN USE (a cache hit)
     release:     IN USE -> IDLE if the block is marked cached, else -> FRESH
@@ -13,20 +13,23 @@ Every block is in exactly one of three states::
 The pool knows nothing about hashes or tensors. The content index above it
 (:class:`kvblocks.radix.PrefixTree`) records an opaque *content key* on a block when
 its content becomes findable (a block with a key is "cached") and chooses which
-idle block to evict; the pool keeps the states, the reference counts, the keys and
-the two orders. Every operation is O(1) per block, and a batch either applies
-completely or raises and leaves the pool as it was.
+idle block to evict, among those its :class:`~kvblocks.eviction.EvictionPolicy` offers (LRU by
+default: least recently released first); the pool keeps the states, the reference counts, the keys
+and the fresh queue, and tells the policy about every block that becomes idle or leaves idle. Every
+operation is O(1) per block, and a batch either applies completely or raises and leaves the pool as
+it was.
 
 The content index is the pool's one privileged user: for speed it reads and
-writes ``_ref``, ``_key``, ``_idle`` and ``_fresh`` directly, keeping the states
+writes ``_ref``, ``_key``, ``_fresh`` and ``_idle`` (the policy's mapping of idle blocks) and asks
+``_policy`` for victims directly, keeping the states
 above. The manager may call the unchecked ``_acquire_valid`` / ``_release_valid``
 for ids that are valid by construction. Nothing else may do either.
 
 For the block lifetime statistics (:class:`kvblocks.accounting.BlockLifetimes`) the pool
 stamps each block, with its ``clock``, when it is handed out fresh (``_taken_at``) and
-when it becomes idle (the idle LRU's value, which costs nothing more than the ``None``
-it replaces): one clock reading per batch, at transitions that already walk the block.
-The stamps are read when a block is evicted.
+when it becomes idle (its value in the policy's ``idle`` mapping, which costs nothing more than the
+``None`` it would hold): one clock reading per batch, at transitions that already walk the block.
+The policy hands the stamps of the blocks it evicts to whoever asks (``victims(..., stamps=)``).
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterable, KeysView, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, KeysView, MutableMapping, Sequence
 
 from kvblocks.errors import ConfigError, DoubleFreeError, IntegrityError, InvalidArgumentError, InvalidBlockIdError
+from kvblocks.eviction import DEFAULT_EVICTION, EvictionPolicy, check_eviction, make_policy
 
 __all__ = ["BYTES_PER_BLOCK", "BlockPool", "check_pool_size"]
 
@@ -84,7 +88,10 @@ def check_pool_size(num_blocks: int) -> None:
 
 
 class BlockPool:
-    """Reference counts, a fresh queue and an idle LRU over block ids ``0..num_blocks-1``.
+    """Reference counts, a fresh queue and an eviction policy's idle order over block ids ``0..num_blocks-1``.
+
+    ``eviction`` names the policy (:data:`~kvblocks.eviction.EVICTION_POLICIES`): ``"lru"`` (default)
+    or ``"s3fifo"``.
 
     >>> pool = BlockPool(4)
     >>> pool.take_fresh(2)
@@ -95,13 +102,16 @@ class BlockPool:
     ([2, 3, 1], [0])
     """
 
-    __slots__ = ("_fresh", "_idle", "_key", "_ref", "_taken_at", "clock", "num_blocks")
+    __slots__ = ("_fresh", "_idle", "_key", "_policy", "_ref", "_taken_at", "clock", "num_blocks")
 
-    def __init__(self, num_blocks: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, num_blocks: int, *, clock: Callable[[], float] = time.monotonic, eviction: str = DEFAULT_EVICTION
+    ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if not callable(clock):
             raise ConfigError(f"clock must be a callable returning seconds, got {clock!r}")
+        check_eviction(eviction)
         check_pool_size(num_blocks)
         self.num_blocks = num_blocks
         self.clock = clock
@@ -109,14 +119,25 @@ class BlockPool:
         self._taken_at = [0.0] * num_blocks  # when each block was last handed out fresh
         self._ref = [0] * num_blocks
         self._fresh: deque[int] = deque(range(num_blocks))
-        self._idle: OrderedDict[int, float] = OrderedDict()  # block -> when it became idle
         self._key: list[object | None] = [None] * num_blocks
+        self._policy: EvictionPolicy = make_policy(eviction, num_blocks, self._key)
+        self._idle: MutableMapping[int, float] = self._policy.idle  # block -> when it became idle, policy's order
 
     # ------------------------------------------------------------------ queries
 
     @property
     def num_fresh(self) -> int:
         return len(self._fresh)
+
+    @property
+    def eviction(self) -> str:
+        """The eviction policy's name."""
+        return self._policy.name
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy (read it; the pool and its content index change it)."""
+        return self._policy
 
     @property
     def num_idle(self) -> int:
@@ -147,6 +168,12 @@ class BlockPool:
     def is_idle(self, block: int) -> bool:
         return block in self._idle
 
+    def idle_since(self, block: int) -> float:
+        """When idle ``block`` last became idle (the pool's ``clock``)."""
+        if not self.is_idle(block):
+            raise InvalidBlockIdError(f"block {block!r} is not idle")
+        return self._idle[block]
+
     def count_idle(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` are idle (acquiring them would shrink the evictable supply)."""
         try:
@@ -160,8 +187,13 @@ class BlockPool:
         """The fresh queue, next-to-hand-out first (a live view; do not mutate)."""
         return self._fresh
 
+    def idle_order(self) -> KeysView[int]:
+        """The idle blocks in the policy's order, likely next victims first (LRU: least recently released
+        first); a live view."""
+        return self._idle.keys()
+
     def idle_lru(self) -> KeysView[int]:
-        """The idle blocks, least recently released first (a live view)."""
+        """:meth:`idle_order`: least recently released first with the LRU policy (a live view)."""
         return self._idle.keys()
 
     # ------------------------------------------------------------------ transitions
@@ -182,7 +214,7 @@ class BlockPool:
         return out
 
     def acquire(self, blocks: Sequence[int]) -> None:
-        """Take one more reference on each block; idle blocks leave the LRU (a cache hit).
+        """Take one more reference on each block; idle blocks leave the idle set (a cache hit).
 
         Only IN USE or IDLE blocks can be acquired: a fresh block holds no content worth
         sharing and is obtained with :meth:`take_fresh`.
@@ -190,7 +222,7 @@ class BlockPool:
         n = self.num_blocks
         ref = self._ref
         idle = self._idle
-        for b in blocks:  # validate everything first: an LRU position could not be restored
+        for b in blocks:  # validate everything first: a position in the idle order could not be restored
             if not (type(b) is int and 0 <= b < n):
                 raise InvalidBlockIdError(f"block id {b!r} is not an int in 0..{n - 1}")
             if not ref[b] and b not in idle:
@@ -200,7 +232,7 @@ class BlockPool:
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block, in order; blocks reaching 0 become IDLE or FRESH.
 
-        The order matters: blocks reaching zero join the back of the idle LRU (or of the
+        The order matters: blocks reaching zero reach the eviction policy (or the back of the
         fresh queue) in the order given, so pass a sequence's blocks tail first to make
         its tail evictable before its head.
         """
@@ -219,7 +251,7 @@ class BlockPool:
 
     def _acquire_valid(self, blocks: Iterable[int]) -> None:
         ref = self._ref
-        idle = self._idle
+        idle = self._idle  # the policy's: deleting an entry is a hit
         for b in blocks:
             r = ref[b]
             if not r:
@@ -228,7 +260,7 @@ class BlockPool:
 
     def _release_valid(self, blocks: Iterable[int]) -> None:
         ref = self._ref
-        idle = self._idle
+        idle = self._idle  # the policy's: setting an entry makes the block evictable
         fresh_append = self._fresh.append
         key = self._key
         now = None  # the clock is read once, and only when a block turns idle (most releases do not)
@@ -255,8 +287,8 @@ class BlockPool:
     def evict(self, block: int) -> None:
         """IDLE -> FRESH: the content index dropped this block's content. Joins the back of the fresh queue."""
         try:
-            del self._idle[block]
-        except KeyError:
+            self._policy.remove(block)
+        except (KeyError, IndexError, TypeError):
             raise InvalidBlockIdError(f"block {block!r} is not idle and cannot be evicted") from None
         self._key[block] = None
         self._fresh.append(block)
@@ -267,6 +299,11 @@ class BlockPool:
         """Raise :class:`IntegrityError` unless every block is in exactly one state."""
         fresh = set(self._fresh)
         idle = set(self._idle)
+        if len(idle) != len(self._idle):
+            raise IntegrityError(
+                f"the {self._policy.name} policy counts {len(self._idle)} idle blocks, lists {len(idle)}"
+            )
+        self._policy.check_integrity()
         if len(fresh) != len(self._fresh):
             raise IntegrityError("a block appears twice in the fresh queue")
         if fresh & idle:

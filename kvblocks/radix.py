@@ -11,16 +11,17 @@ Invariants:
 
 * every node's parent is a node, so a cached suffix never outlives its prefix
   (:meth:`check_integrity` verifies it);
-* eviction removes leaves only, least recently released first (by construction:
-  a block with cached children is never chosen).
+* eviction removes leaves only, in the order of the pool's eviction policy (by
+  construction: a block with cached children is never chosen).
 
-Eviction order comes from the pool's idle LRU (blocks in the order their last
-holder released them). The manager releases a sequence's blocks tail first and a
-holder of a node always holds its ancestors, so an idle parent is always released
-after its idle children: the oldest idle block is a leaf and eviction is O(1).
-When the tree is driven otherwise and the oldest idle block has cached children,
-eviction skips ahead to the oldest idle *leaf* -- still exact LRU among leaves,
-just not O(1) in that case.
+Eviction order comes from the pool's :class:`~kvblocks.eviction.EvictionPolicy`; the
+default, LRU, takes blocks in the order their last holder released them. The manager
+releases a sequence's blocks tail first and a holder of a node always holds its
+ancestors, so an idle parent is always released after its idle children: the oldest
+idle block is a leaf and eviction is O(1). When the tree is driven otherwise and the
+oldest idle block has cached children, eviction skips ahead to the oldest idle *leaf*
+-- still exact LRU among leaves, just not O(1) in that case. Another policy keeps an
+interior candidate (S3-FIFO moves it to its main queue) until it becomes a leaf.
 """
 
 from __future__ import annotations
@@ -340,44 +341,32 @@ class PrefixTree:
     # ------------------------------------------------------------------ eviction
 
     def evict(self, count: int, removed_hashes: list[BlockHash] | None = None) -> list[int]:
-        """Evict up to ``count`` idle leaves, least recently released first; return their ids.
+        """Evict up to ``count`` idle leaves, in the pool's eviction order; return their ids.
 
-        The returned blocks are FRESH in the pool (at the back of its fresh queue).
-        Fewer than ``count`` come back only when no idle block is left. Emits one
-        ``BlockRemoved`` for the batch. With ``removed_hashes``, the evicted blocks'
-        hashes are appended to it, in the same order (a lower tier writes them back).
+        The pool's :class:`~kvblocks.eviction.EvictionPolicy` chooses (LRU: least recently released
+        first); an interior block it offers is kept until it becomes a leaf. The returned blocks are
+        FRESH in the pool (at the back of its fresh queue). Fewer than ``count`` come back only when
+        no idle block is left. Emits one ``BlockRemoved`` for the batch. With ``removed_hashes``, the
+        evicted blocks' hashes are appended to it, in the same order (a lower tier writes them back).
         """
         if type(count) is not int or count < 0:
             raise InvalidArgumentError(f"cannot evict {count!r} blocks")
         pool = self.pool
-        idle = pool._idle  # package-private: the tree is the pool's content index
-        fresh_append = pool._fresh.append
+        # package-private: the tree is the pool's content index. The policy drops the victims from the
+        # idle set and unlinks each from its parent's child count (a parent may follow its last child).
+        evicted = self._victims(count)
         block_of = self._block_of
         hash_of = self._hash_of
-        parent_of = self._parent_of
-        num_children = self._num_children
-        evicted: list[int] = []
-        append = evicted.append
         removed = removed_hashes
         if removed is None and self._events is not None:
             removed = []
-        while len(evicted) < count and idle:
-            # Snapshot the oldest candidates: iterating a list is cheaper than re-peeking the LRU.
-            for b in list(islice(idle, count - len(evicted))):
-                interior = num_children[b]
-                if interior:  # an interior block ahead of its leaves (see the module docstring)
-                    b = self._oldest_idle_leaf()
-                del idle[b]
-                h = hash_of[b]
-                del block_of[h]  # type: ignore[arg-type]
-                hash_of[b] = None
-                num_children[parent_of[b]] -= 1
-                fresh_append(b)
-                append(b)
-                if removed is not None:
-                    removed.append(h)  # type: ignore[arg-type]
-                if interior:  # the snapshot may be stale now: take a new one
-                    break
+        for b in evicted:
+            h = hash_of[b]
+            del block_of[h]  # type: ignore[arg-type]
+            hash_of[b] = None
+            if removed is not None:
+                removed.append(h)  # type: ignore[arg-type]
+        pool._fresh.extend(evicted)
         self.num_evicted += len(evicted)
         if evicted and self._events is not None:
             # our own list when the caller gave none (nobody changes it later), else the batch's part of theirs
@@ -385,12 +374,10 @@ class PrefixTree:
             self._events.record(self._removed, mine)
         return evicted
 
-    def _oldest_idle_leaf(self) -> int:
-        num_children = self._num_children
-        for b in self.pool.idle_lru():
-            if not num_children[b]:
-                return b
-        raise IntegrityError("idle blocks exist but none is a leaf: an idle block has a cached child in use")
+    def _victims(self, count: int) -> list[int]:
+        """The policy's choice of up to ``count`` idle leaves, dropped from the idle set (a subclass may ask
+        for more: their idle stamps)."""
+        return self.pool._policy.victims(count, self._num_children, self._parent_of)
 
     def clear(self) -> list[int]:
         """Drop every cached block; all must be idle. Returns the dropped ids. Emits ``AllBlocksCleared``."""
@@ -398,7 +385,7 @@ class PrefixTree:
         if in_use:
             raise SequenceStateError(f"cannot clear the {self.tier} cache: {in_use} cached blocks are in use")
         pool = self.pool
-        dropped = list(pool.idle_lru())
+        dropped = list(pool.idle_order())
         for b in dropped:
             self._num_children[b] = 0
             pool.evict(b)

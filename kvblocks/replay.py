@@ -20,6 +20,7 @@ from typing import Any
 
 from kvblocks.errors import ConfigError
 from kvblocks.events import EventRecord, EventSink
+from kvblocks.eviction import DEFAULT_EVICTION, check_eviction
 from kvblocks.manager import KVCacheManager
 from kvblocks.traces import Trace, TraceRequest
 
@@ -79,6 +80,8 @@ class ReplayResult:
     check_seconds: float | None = None
     """The final ``check_integrity`` of every manager (None: not asked for)."""
     worker_prefill_tokens: list[int] = field(default_factory=list)
+    eviction: str = DEFAULT_EVICTION
+    """The eviction policy every tier's blocks were replayed with."""
 
     @property
     def token_hit_rate(self) -> float:
@@ -184,8 +187,12 @@ def replay(
     storage_blocks: int = 0,
     progress: Callable[[int], None] | None = None,
     check: bool = False,
+    eviction: str = DEFAULT_EVICTION,
 ) -> ReplayResult:
     """Replay ``trace``; ``blocks`` is the total device capacity (None: :func:`unlimited_blocks`).
+
+    ``eviction`` names the eviction policy of every tier's blocks (device and host): ``"lru"``
+    (default) or ``"s3fifo"`` (:mod:`kvblocks.eviction`).
 
     ``host_blocks`` (split over the workers) adds a host tier with write-back; ``storage_blocks``
     adds one storage tier shared by all workers (in memory, an LRU byte budget of that many
@@ -200,6 +207,7 @@ def replay(
     settings.update(host_blocks=host_blocks, storage_blocks=storage_blocks)
     for name, value in settings.items():
         check_setting(name, value)
+    check_eviction(eviction)
     shapes = [_shape(trace, r, block_size, reference) for r in trace.requests]
     largest = _largest(shapes, block_size)
     if blocks is None:  # room for everything; more concurrency than requests changes nothing
@@ -217,10 +225,10 @@ def replay(
         )
     started = time.perf_counter()
     sinks = [EventSink(capacity=0) for _ in range(workers)]
-    managers = _managers(workers, per_worker, block_size, sinks, host_blocks // workers, storage_blocks)
+    managers = _managers(workers, per_worker, block_size, sinks, host_blocks // workers, storage_blocks, eviction)
     tiered = host_blocks > 0 or storage_blocks > 0
     router = _router(workers, block_size, sinks)
-    result = ReplayResult(trace.name, len(trace), block_size, per_worker * workers, workers)
+    result = ReplayResult(trace.name, len(trace), block_size, per_worker * workers, workers, eviction=eviction)
     result.host_blocks, result.storage_blocks = host_blocks, storage_blocks
     result.worker_prefill_tokens = [0] * workers
     running: deque[tuple[Hashable, int, Any]] = deque()
@@ -281,20 +289,34 @@ def replay(
 
 
 def _managers(
-    workers: int, per_worker: int, block_size: int, sinks: list[EventSink], host: int, storage: int
+    workers: int,
+    per_worker: int,
+    block_size: int,
+    sinks: list[EventSink],
+    host: int,
+    storage: int,
+    eviction: str = DEFAULT_EVICTION,
 ) -> list[Any]:
     """Plain managers, or tiered ones over a host tier each and one shared in-memory storage tier."""
     events = [sinks[i] if workers > 1 else None for i in range(workers)]
     if not host and not storage:
-        return [KVCacheManager(per_worker, block_size, event_sink=events[i]) for i in range(workers)]
+        return [KVCacheManager(per_worker, block_size, event_sink=events[i], eviction=eviction) for i in range(workers)]
     from kvblocks.hashing import DEFAULT_SCHEME
     from kvblocks.tiers import EntryFormat, MemoryStorage, TierConfig, TieredKVCacheManager
     from kvblocks.tiers.entry import HEADER
 
     entry = EntryFormat(DEFAULT_SCHEME, "uint8", (1,), 0, 1)  # bookkeeping only: a one-byte payload
     shared = MemoryStorage(byte_budget=storage * (HEADER.size + 1)) if storage else None
-    config = TierConfig(num_host_blocks=host, storage=shared, entry_format=entry if shared is not None else None)
-    return [TieredKVCacheManager(per_worker, block_size, tiers=config, event_sink=events[i]) for i in range(workers)]
+    config = TierConfig(
+        num_host_blocks=host,
+        storage=shared,
+        entry_format=entry if shared is not None else None,
+        host_eviction=eviction,
+    )
+    return [
+        TieredKVCacheManager(per_worker, block_size, tiers=config, event_sink=events[i], eviction=eviction)
+        for i in range(workers)
+    ]
 
 
 def _settle(m: Any, seq: int, num_tokens: int, running: Any, managers: list[Any], w: int) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from itertools import islice
 
 from kvblocks.errors import (
     IntegrityError,
@@ -245,12 +244,13 @@ class FlatBlockIndex:
         return out
 
     def evict(self, count: int, removed_hashes: list[BlockHash] | None = None) -> list[int]:
-        """Evict up to ``count`` idle blocks, least recently released first; they become fresh. Returns them."""
+        """Evict up to ``count`` idle blocks in the pool's eviction order (LRU: least recently released first);
+        they become fresh. Returns them."""
         if type(count) is not int or count < 0:
             raise InvalidArgumentError(f"cannot evict {count!r} blocks")
         pool = self.pool
-        idle = pool._idle  # the pool's own LRU: evicting is IDLE -> FRESH for each block, inlined on this hot path
-        evicted = list(islice(idle, count))
+        # the pool's policy chooses and drops them from the idle set; IDLE -> FRESH is inlined on this hot path
+        evicted = pool._policy.victims(count)
         removed = removed_hashes if removed_hashes is not None or self._events is None else []
         hash_of = self._hash_of
         block_of = self._block_of
@@ -260,7 +260,6 @@ class FlatBlockIndex:
             h = hash_of[b]
             if h is None:  # pragma: no cover - an idle block is always indexed (check_integrity)
                 raise IntegrityError(f"idle block {b} is not in the index")
-            del idle[b]
             key[b] = None
             fresh_append(b)
             del block_of[h]
@@ -288,6 +287,6 @@ class FlatBlockIndex:
                 raise IntegrityError(f"indexed block {b} is neither in use nor idle")
         if sum(h is not None for h in self._hash_of) != len(self._block_of):
             raise IntegrityError("the block -> hash table and the hash -> block table differ in size")
-        for b in pool.idle_lru():
+        for b in pool.idle_order():
             if self._hash_of[b] is None:
                 raise IntegrityError(f"idle block {b} is not indexed")

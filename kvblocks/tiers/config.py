@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvblocks.errors import ConfigError
+from kvblocks.eviction import DEFAULT_EVICTION, check_eviction
 from kvblocks.tiers.entry import EntryFormat
 from kvblocks.tiers.storage import StorageBackend
 
@@ -61,11 +62,14 @@ class TierConfig:
     """A hybrid manager's entry format per local group, in group order (``EntryFormat.for_spec`` of the
     group's own spec): each local group then stores its blocks under keys of its own in ``storage``,
     with ``storage_policy``. Empty: storage serves group 0 only. Ignored without ``storage``."""
+    host_eviction: str = DEFAULT_EVICTION
+    """Which idle host block goes first when the host tier is full: ``"lru"`` or ``"s3fifo"``."""
 
     def __post_init__(self) -> None:
         _int_at_least(self.num_host_blocks, 0, "num_host_blocks")
         if self.host_policy not in HOST_POLICIES:
             raise ConfigError(f"host_policy must be one of {', '.join(HOST_POLICIES)}; got {self.host_policy!r}")
+        check_eviction(self.host_eviction, "host_eviction")
         if self.storage_policy not in STORAGE_POLICIES:
             raise ConfigError(
                 f"storage_policy must be one of {', '.join(STORAGE_POLICIES)}; got {self.storage_policy!r}"

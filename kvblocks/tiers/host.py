@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from kvblocks.errors import IntegrityError, InvalidArgumentError
 from kvblocks.event_codec import AllBlocksCleared, BlockRemoved, BlockStored, is_group_tag
 from kvblocks.events import EventSink, record_changes
+from kvblocks.eviction import DEFAULT_EVICTION
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
 
@@ -37,7 +38,8 @@ __all__ = ["HostTier"]
 
 
 class HostTier:
-    """``num_blocks`` host blocks: a pool (ref counts, fresh queue, idle LRU) plus a hash index.
+    """``num_blocks`` host blocks: a pool (ref counts, fresh queue, idle blocks in ``eviction``'s order) plus a
+    hash index.
 
     ``events`` receives this tier's events (see the module docstring), tagged ``group`` /
     ``group_kind`` as the device index of the same group tags its own (both None: untagged);
@@ -52,12 +54,13 @@ class HostTier:
         group: int | None = None,
         group_kind: str | None = None,
         block_size: int | None = None,
+        eviction: str = DEFAULT_EVICTION,
     ) -> None:
         if events is not None and not isinstance(events, EventSink):
             raise InvalidArgumentError(f"events must be an EventSink or None, got {type(events).__name__}")
         if not is_group_tag(group, group_kind):
             raise InvalidArgumentError(f"not an event group tag: {group!r}, {group_kind!r}")
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, eviction=eviction)
         self._block_of: dict[BlockHash, int] = {}  # ready blocks
         self._pending: dict[BlockHash, int] = {}  # blocks a copy is being written into
         self.num_evicted = 0
@@ -133,14 +136,15 @@ class HostTier:
     def touch(self, block_hash: BlockHash) -> None:
         """Mark a ready, idle entry most recently used (a device copy of it was just evicted)."""
         b = self._block_of.get(block_hash)
-        idle = self.pool._idle
-        if b is not None and b in idle:
-            idle.move_to_end(b)
+        pool = self.pool
+        if b is not None and b in pool._idle:
+            pool._policy.touch(b)
 
     def reserve(self, block_hash: BlockHash) -> tuple[int, BlockHash | None] | None:
         """A block to copy ``block_hash`` into, pending until :meth:`complete`; None when every block is held.
 
-        Takes a fresh block, else evicts the least recently used idle one. Returns
+        Takes a fresh block, else evicts the idle block the pool's eviction policy chooses (LRU: the least
+        recently used). Returns
         ``(block, evicted_hash)``: a lower tier may want the evicted content, which
         stays in the block until the copy into it runs.
         """
@@ -151,8 +155,7 @@ class HostTier:
         if pool._fresh:
             block = pool._fresh.popleft()
         elif pool._idle:
-            block = next(iter(pool._idle))
-            del pool._idle[block]
+            (block,) = pool._policy.victims(1)
             evicted = pool._key[block]  # type: ignore[assignment]
             pool._key[block] = None
             del self._block_of[evicted]  # type: ignore[arg-type]
@@ -185,7 +188,7 @@ class HostTier:
         """
         pool = self.pool
         dropped: list[BlockHash] = []
-        for b in list(pool.idle_lru()):
+        for b in list(pool.idle_order()):
             block_hash: BlockHash = pool.content_key(b)  # type: ignore[assignment]
             del self._block_of[block_hash]
             pool.evict(b)

@@ -43,6 +43,7 @@ from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, SequenceStateError
 from kvblocks.events import BlockStored, EventSink
+from kvblocks.eviction import DEFAULT_EVICTION
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
 from kvblocks.manager import BlockTable, KVCacheManager, _count_arg, _Sequence
 from kvblocks.tiers.config import TierConfig
@@ -173,6 +174,7 @@ class TieredKVCacheManager(KVCacheManager):
         namespace: str | Namespace = "default",
         enable_prefix_caching: bool = True,
         event_sink: EventSink | None = None,
+        eviction: str = DEFAULT_EVICTION,
     ) -> None:
         super().__init__(
             num_blocks,
@@ -181,6 +183,7 @@ class TieredKVCacheManager(KVCacheManager):
             namespace=namespace,
             enable_prefix_caching=enable_prefix_caching,
             event_sink=event_sink,
+            eviction=eviction,
         )
         self._setup_tiers(tiers)
 
@@ -202,7 +205,14 @@ class TieredKVCacheManager(KVCacheManager):
         group, kind = self._tree_group  # the tiers' events carry the device tree's group tag
         self._tier_events = sink is not None
         self._host = (
-            HostTier(tiers.num_host_blocks, events=sink, group=group, group_kind=kind, block_size=config.block_size)
+            HostTier(
+                tiers.num_host_blocks,
+                events=sink,
+                group=group,
+                group_kind=kind,
+                block_size=config.block_size,
+                eviction=tiers.host_eviction,
+            )
             if tiers.host_enabled
             else None
         )

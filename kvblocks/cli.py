@@ -1,7 +1,7 @@
 """The ``kvblocks`` command: replay a trace, sweep cache capacities, plan KV memory.
 
     kvblocks replay [TRACE] [--blocks N] [--workers N] [--concurrency N] [--reference] [--check] [--json]
-    kvblocks sweep TRACE --capacities 1000,5000,10%,50% [--eviction lru,s3fifo] [--csv PATH] [--plot PATH]
+    kvblocks sweep TRACE --capacities 1000,5000,10%,50% [--eviction lru,s3fifo:0.75] [--csv PATH] [--plot PATH]
     kvblocks plan (--model NAME | --layers L --kv-heads H --head-dim D) --dtype T --block-size B --memory 40GiB
     kvblocks plan --model gemma-3-27b --memory 40G [--context 32768]   (a hybrid preset: memory per group)
 
@@ -165,14 +165,14 @@ def _capacities(text: str) -> list[str]:
 
 
 def _evictions(text: str) -> list[str]:
-    from kvblocks.eviction import EVICTION_POLICIES
+    from kvblocks.eviction import check_eviction
 
     names = [t.strip() for t in text.split(",") if t.strip()]
     for name in names:
-        if name not in EVICTION_POLICIES:
-            raise argparse.ArgumentTypeError(
-                f"unknown eviction policy {_short(name)}; known: {', '.join(EVICTION_POLICIES)}"
-            )
+        try:
+            check_eviction(name)
+        except ConfigError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
     if not names:
         raise argparse.ArgumentTypeError("give at least one eviction policy")
     if len(set(names)) != len(names):
@@ -230,8 +230,9 @@ def _trace_options(p: argparse.ArgumentParser) -> None:
         type=_evictions,
         default=None,
         metavar="NAME[,NAME...]",
-        help="eviction policy of every tier: lru (default) or s3fifo; sweep takes a comma-separated list and "
-        "adds an eviction column, one curve per policy",
+        help="eviction policy of every tier: lru (default), s3fifo, or s3fifo:SHARE (its small queue's share of "
+        "the idle blocks, default 0.1); sweep takes a comma-separated list and adds an eviction column, one curve "
+        "per policy",
     )
     p.add_argument(
         "--reference",

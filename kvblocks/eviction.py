@@ -215,6 +215,8 @@ class S3FIFO(MutableMapping[int, float]):
     __slots__ = ("_content", "_freq", "_ghost", "_in_main", "_keys", "_main", "_small", "ghost_size", "small_share")
 
     name = "s3fifo"
+    parameter = "small_share"
+    """The keyword a policy spec's value sets: ``"s3fifo:0.75"`` is ``S3FIFO(..., small_share=0.75)``."""
     MAX_FREQ = 3
 
     def __init__(
@@ -402,13 +404,44 @@ EVICTION_POLICIES: Mapping[str, PolicyFactory] = MappingProxyType({"lru": LRU, "
 """Eviction policies by name: a new policy is one class and one entry here."""
 
 
-def check_eviction(name: object, what: str = "eviction") -> str:
-    """``name`` if it names a policy, else :class:`ConfigError` listing the known ones."""
-    if not isinstance(name, str) or name not in EVICTION_POLICIES:
-        raise ConfigError(f"unknown {what} policy {name!r}; known: {', '.join(EVICTION_POLICIES)}")
-    return name
+def _split(spec: object, what: str) -> tuple[str, str | None]:
+    name, colon, argument = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if name not in EVICTION_POLICIES:
+        raise ConfigError(
+            f"unknown {what} policy {str(spec)[:60]!r}; known: {', '.join(EVICTION_POLICIES)} (s3fifo:SHARE sets"
+            " its small queue's share)"
+        )
+    return name, (argument if colon else None)
 
 
-def make_policy(name: str, num_blocks: int, keys: Sequence[object]) -> EvictionPolicy:
-    """A new policy named ``name`` for a pool of ``num_blocks`` whose content keys are ``keys``."""
-    return EVICTION_POLICIES[check_eviction(name)](num_blocks, keys)
+def _build(spec: object, what: str, num_blocks: int, keys: Sequence[object]) -> EvictionPolicy:
+    name, argument = _split(spec, what)
+    factory = EVICTION_POLICIES[name]
+    if argument is None:
+        return factory(num_blocks, keys)
+    parameter = getattr(factory, "parameter", None)
+    if parameter is None:
+        raise ConfigError(f"{what} policy {name!r} takes no parameter (got {spec!r})")
+    try:
+        value = float(argument)
+    except ValueError:
+        raise ConfigError(f"{what} {str(spec)[:60]!r}: {argument[:30]!r} is not a number") from None
+    try:
+        policy: EvictionPolicy = factory(num_blocks, keys, **{parameter: value})  # type: ignore[call-arg]
+    except ConfigError as error:
+        raise ConfigError(f"{what} {str(spec)[:60]!r}: {error}") from None
+    return policy
+
+
+def check_eviction(spec: object, what: str = "eviction") -> str:
+    """``spec`` if it names a policy (``"lru"``, ``"s3fifo"``), or a policy and the value of its one parameter
+    (``"s3fifo:0.75"``: S3-FIFO with its small queue at 75% of the idle blocks); else :class:`ConfigError`
+    saying why (and listing the known names for an unknown one)."""
+    _build(spec, what, 0, ())
+    return spec  # type: ignore[return-value]
+
+
+def make_policy(spec: str, num_blocks: int, keys: Sequence[object]) -> EvictionPolicy:
+    """A new policy as ``spec`` says (see :func:`check_eviction`) for a pool of ``num_blocks`` whose content
+    keys are ``keys``."""
+    return _build(spec, "eviction", num_blocks, keys)

@@ -102,7 +102,7 @@ class BlockPool:
     ([2, 3, 1], [0])
     """
 
-    __slots__ = ("_fresh", "_idle", "_key", "_policy", "_ref", "_taken_at", "clock", "num_blocks")
+    __slots__ = ("_eviction", "_fresh", "_idle", "_key", "_policy", "_ref", "_taken_at", "clock", "num_blocks")
 
     def __init__(
         self, num_blocks: int, *, clock: Callable[[], float] = time.monotonic, eviction: str = DEFAULT_EVICTION
@@ -120,6 +120,7 @@ class BlockPool:
         self._ref = [0] * num_blocks
         self._fresh: deque[int] = deque(range(num_blocks))
         self._key: list[object | None] = [None] * num_blocks
+        self._eviction = eviction
         self._policy: EvictionPolicy = make_policy(eviction, num_blocks, self._key)
         self._idle: MutableMapping[int, float] = self._policy.idle  # block -> when it became idle, policy's order
 
@@ -131,8 +132,8 @@ class BlockPool:
 
     @property
     def eviction(self) -> str:
-        """The eviction policy's name."""
-        return self._policy.name
+        """The eviction policy as given (``"lru"``, ``"s3fifo:0.75"``, ...)."""
+        return self._eviction
 
     @property
     def policy(self) -> EvictionPolicy:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -386,3 +387,55 @@ def test_victims_hand_over_their_idle_stamps(name: str) -> None:
         blockers = [0, 0, 0, 0, 3] if tree else None
         out = policy.victims(2, blockers, [4, 4, 4, 4] if tree else None, stamps)
         assert stamps == [{2: 20.0, 0: 5.0, 3: 7.5}[b] for b in out] and len(out) == 2
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("lru:3", "takes no parameter"),
+        ("s3fifo:x", "is not a number"),
+        ("s3fifo:", "is not a number"),
+        ("s3fifo:1.5", "small_share must be a number in"),
+        ("s3fifo:0", "small_share must be a number in"),
+        ("s3fifo:nan", "small_share must be a number in"),
+        (":0.5", "unknown eviction policy"),
+        ("s3fifo:0.5:1", "is not a number"),
+    ],
+)
+def test_a_bad_policy_spec_is_a_config_error_saying_why(spec: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        check_eviction(spec)
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        KVCacheManager(8, 4, eviction=spec)
+    with pytest.raises(ConfigError, match="host_eviction"):
+        TierConfig(num_host_blocks=4, host_eviction=spec)
+
+
+def test_a_policy_spec_sets_the_policys_one_parameter() -> None:
+    assert check_eviction("s3fifo:0.75") == "s3fifo:0.75"
+    manager = KVCacheManager(8, 4, eviction="s3fifo:0.75")
+    assert manager.pool.eviction == "s3fifo:0.75"
+    policy = manager.pool.policy
+    assert isinstance(policy, S3FIFO) and policy.small_share == 0.75
+    default = KVCacheManager(8, 4, eviction="s3fifo").pool.policy
+    assert isinstance(default, S3FIFO) and default.small_share == 0.1
+    assert CacheConfig(num_blocks=4, block_size=2, eviction="s3fifo:0.5").eviction == "s3fifo:0.5"
+
+
+def test_the_small_share_decides_which_queue_gives_the_next_victim() -> None:
+    """The rule of S3FIFO's docstring: take from the small queue while it holds more than ``small_share`` of
+    the idle blocks; a small-queue block with a hit moves to main (its frequency spent), one without goes.
+
+    Four idle blocks in small, 0 and 1 used while idle. At 10%: 0 and 1 move to main, 2 goes (small still
+    holds 2 of 4, above 10%). At 75%: 0 moves to main, and small then holds 3 of 4 = 75%, not above: main
+    gives its head, 0, whose second chance is spent."""
+    victims = {}
+    for spec in ("s3fifo:0.1", "s3fifo:0.75"):
+        policy = make_policy(spec, 4, ["a", "b", "c", "d"])
+        for b in range(4):
+            policy.became_idle(b)  # type: ignore[attr-defined]
+        policy.touch(0)
+        policy.touch(1)
+        victims[spec] = policy.victims(1)
+        policy.check_integrity()
+    assert victims == {"s3fifo:0.1": [2], "s3fifo:0.75": [0]}

@@ -427,7 +427,7 @@ def _build(spec: object, what: str, num_blocks: int, keys: Sequence[object]) -> 
     except ValueError:
         raise ConfigError(f"{what} {str(spec)[:60]!r}: {argument[:30]!r} is not a number") from None
     try:
-        policy: EvictionPolicy = factory(num_blocks, keys, **{parameter: value})  # type: ignore[call-arg]
+        policy: EvictionPolicy = factory(num_blocks, keys, **{parameter: value})
     except ConfigError as error:
         raise ConfigError(f"{what} {str(spec)[:60]!r}: {error}") from None
     return policy

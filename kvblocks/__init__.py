@@ -61,6 +61,7 @@ from kvblocks.events import (
     decode_batch,
     encode_batch,
 )
+from kvblocks.eviction import EVICTION_POLICIES, LRU, S3FIFO, EvictionPolicy
 from kvblocks.hashing import (
     BlockExtras,
     BlockHash,
@@ -113,6 +114,10 @@ __all__ = [
     "Namespace",
     # structures
     "BlockPool",
+    "EVICTION_POLICIES",
+    "EvictionPolicy",
+    "LRU",
+    "S3FIFO",
     "PrefixTree",
     "PrefixMatch",
     # events

@@ -439,3 +439,10 @@ def test_the_small_share_decides_which_queue_gives_the_next_victim() -> None:
         victims[spec] = policy.victims(1)
         policy.check_integrity()
     assert victims == {"s3fifo:0.1": [2], "s3fifo:0.75": [0]}
+
+
+def test_the_policies_are_public_names() -> None:
+    import kvblocks
+
+    assert kvblocks.EVICTION_POLICIES is EVICTION_POLICIES and kvblocks.S3FIFO is S3FIFO and kvblocks.LRU is LRU
+    assert {"EVICTION_POLICIES", "EvictionPolicy", "LRU", "S3FIFO"} <= set(kvblocks.__all__)

@@ -825,7 +825,12 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys) -> None:
 def test_ctrl_c_in_a_running_sweep_prints_no_traceback() -> None:
     import signal
 
-    code = "import sys\nfrom kvblocks.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    # Ctrl-C as a terminal delivers it. A job started in the background (a CI run under `nohup ... &`) inherits
+    # SIGINT ignored and Python then leaves it ignored: the child takes Python's own handler back first.
+    code = (
+        "import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from kvblocks.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    )
     argv = [sys.executable, "-c", code, "sweep", "mooncake-conversation", "--capacities", "5%,10%,25%,50%,100%"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None

@@ -25,7 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvblocks.backends import CPUBackend, KVCacheSpec, attach_shared, publish_shared, sharing
+from kvblocks.backends import CPUBackend, KVCacheSpec, attach_shared, mailbox_fields, publish_shared, sharing
 from kvblocks.errors import AttachTimeoutError, ConfigError
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
@@ -426,7 +426,7 @@ def test_ipc_fields_travel_from_torchs_reduce_to_torchs_rebuild_unchanged(reduct
     entry = {"spec": SMALL_SPEC, "num_blocks": 2, "device": f"cuda:{args[6]}", "transport": "ipc"}
     body = json.dumps({"caches": [{**entry, "ipc": fields.to_json()}]}).encode()
     if nbytes >= SMALL_NBYTES:  # the mailbox's cache must fit the storage the fields describe
-        assert sharing._parse_mailbox(body)[0].ipc == fields
+        assert mailbox_fields._parse_mailbox(body)[0].ipc == fields
     calls = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: calls.append(a) or torch.zeros(0))
@@ -464,7 +464,7 @@ def test_ipc_fields_of_a_real_tensor_come_from_torchs_reduce_tensor(monkeypatch)
         {"device": 0.0},
         {"handle": "not base64!"},
         {"handle": ""},
-        {"handle": base64.b64encode(b"x" * (sharing._MAX_HANDLE + 1)).decode()},
+        {"handle": base64.b64encode(b"x" * (mailbox_fields._MAX_HANDLE + 1)).decode()},
         {"handle": None},
         {"handle": ["AQ=="]},
         {"storage_size_bytes": SMALL_NBYTES - 1, "tensor_offset": 0},  # the cache overruns the storage
@@ -771,11 +771,11 @@ def test_a_key_given_twice_in_the_mailbox_is_refused(published, where: str) -> N
     original = published[2]
     body = original[sharing._HEADER.size :].decode()
     document = json.loads(body)
-    assert len(sharing._parse_mailbox(body.encode())) == len(document["caches"])  # the real body reads
+    assert len(mailbox_fields._parse_mailbox(body.encode())) == len(document["caches"])  # the real body reads
     if where == "top":
         other = json.dumps(document["caches"][:1])
         doubled = body[:-1] + f', "caches": {other}}}'
     else:
         doubled = body.replace('"num_blocks": ', '"num_blocks": 1, "num_blocks": ', 1)
     with pytest.raises(ConfigError, match="repeats a key"):
-        sharing._parse_mailbox(doubled.encode())
+        mailbox_fields._parse_mailbox(doubled.encode())

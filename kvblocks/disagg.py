@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 
 from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
+from kvblocks.core.groups import kind_rules
 from kvblocks.errors import (
     AccountingError,
     ConfigError,
@@ -130,8 +131,7 @@ def _hashes_from_json(raw: object) -> tuple[BlockHash, ...]:
 def first_held_block(kind: str, span: int, block_size: int, num_tokens: int) -> int:
     """The first block position a local group holds once ``num_tokens`` tokens are committed: the first
     any token from ``num_tokens`` on attends to (its window's or chunk's start). The hybrid manager's rule."""
-    start = max(0, num_tokens - span + 1) if kind == "sliding_window" else num_tokens - num_tokens % span
-    return start // block_size
+    return kind_rules(kind).first_needed(num_tokens, block_size, span)
 
 
 @dataclass(frozen=True)

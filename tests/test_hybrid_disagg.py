@@ -129,7 +129,7 @@ def check_admission(d: HybridDecodeManager, handoff: PrefillHandoff, admission: 
 
 def decode_steps(d: HybridDecodeManager, engine: Engine, seq_id: Any, tokens: list[int], count: int) -> None:
     """Decode ``count`` tokens with step(), checking integrity, the window bound and the KV each step."""
-    window = next(g for g in d._locals if g.sliding)
+    window = next(g for g in d._locals if g.kind.name == "sliding_window")
     bound = math.ceil(window.span / B) + 1
     for i in range(count):
         n = len(tokens)
@@ -139,7 +139,7 @@ def decode_steps(d: HybridDecodeManager, engine: Engine, seq_id: Any, tokens: li
         engine.write(seq_id, tokens, n, n + 1)
         d.check_integrity()
         engine.check_window(seq_id, tokens, n + 1)
-        sliding = [g for g in range(1, d.num_groups) if d._locals[g - 1].sliding]
+        sliding = [g for g in range(1, d.num_groups) if d._locals[g - 1].kind.name == "sliding_window"]
         for g in sliding:
             assert sum(b != PLACEHOLDER for b in d.group_block_table(seq_id, g)) <= bound
 

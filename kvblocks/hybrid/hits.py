@@ -28,57 +28,45 @@ hit ends inside a block. Recurrent checkpoints are taken at such boundaries.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from kvblocks.core.groups import Cached, KindRules, kind_rules
 from kvblocks.errors import ConfigError
-from kvblocks.hybrid.layout import GROUP_KINDS, GroupKind
+from kvblocks.hybrid.layout import GroupKind
 
 __all__ = ["GroupHitRule", "hit_step", "longest_common_hit", "longest_group_hit", "needed_blocks"]
-
-Cached = Callable[[int], bool]
-"""For an attention group: is block ``position`` (of that group's block size) cached? For a recurrent
-group: is there a state checkpoint at token ``position``?"""
 
 
 @dataclass(frozen=True)
 class GroupHitRule:
-    """What one group needs for a hit: its kind, block size (None for recurrent) and span (W or C)."""
+    """What one group needs for a hit: its kind, block size (None for recurrent) and span (W or C).
+
+    The kind's formulas are its :class:`~kvblocks.core.groups.KindRules` (:attr:`kind_rules`), looked up
+    in the registry once, here.
+    """
 
     kind: GroupKind
     block_size: int | None = None
     span: int | None = None
+    kind_rules: KindRules = field(init=False, repr=False, compare=False)
+    """The kind's rules (:mod:`kvblocks.core.groups`)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in GROUP_KINDS:
-            raise ConfigError(f"unknown group kind {self.kind!r}; known: {', '.join(GROUP_KINDS)}")
-        recurrent = self.kind == "recurrent"
+        rules = kind_rules(self.kind)
         size = self.block_size
-        if recurrent:
+        if not rules.has_blocks:
             if size is not None:
-                raise ConfigError("a recurrent group has no block size: its states are checkpointed at hit points")
+                raise ConfigError(f"a {self.kind} group has no block size: its states are checkpointed at hit points")
         elif isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ConfigError(f"a {self.kind} group needs a positive int block_size, got {size!r}")
-        spanned = self.kind in ("sliding_window", "chunked_local")
-        span = self.span
-        if spanned and (isinstance(span, bool) or not isinstance(span, int) or span <= 0):
-            raise ConfigError(f"a {self.kind} group needs a positive int span (window or chunk), got {span!r}")
-        if not spanned and span is not None:
-            raise ConfigError(f"a {self.kind} group takes no span, got {span!r}")
+        rules.check_span(self.span)
+        object.__setattr__(self, "kind_rules", rules)
 
 
 def needed_blocks(rule: GroupHitRule, hit: int) -> range:
     """The blocks of ``rule``'s group that a hit at token ``hit`` needs cached (empty when none)."""
-    kind = rule.kind
-    if kind in ("recurrent", "cross_attention") or hit <= 0:
-        return range(0)
-    size: int = rule.block_size  # type: ignore[assignment]
-    end = -(-hit // size)
-    if kind == "full":
-        return range(end)
-    span: int = rule.span  # type: ignore[assignment]
-    first_token = max(0, hit - span + 1) if kind == "sliding_window" else (hit // span) * span
-    return range(first_token // size, end) if first_token < hit else range(0)
+    return rule.kind_rules.needed_blocks(hit, rule.block_size or 0, rule.span or 0)
 
 
 def hit_step(rules: Sequence[GroupHitRule]) -> int:
@@ -90,39 +78,14 @@ def hit_step(rules: Sequence[GroupHitRule]) -> int:
 def longest_group_hit(rule: GroupHitRule, limit: int, step: int, cached: Cached) -> int:
     """The largest multiple of ``step`` at or below ``limit`` that this group serves (0 always is).
 
-    Full attention serves a leading run, found in one pass. The other kinds look down from
-    ``limit``; a sliding window skips straight below the first missing block it finds, since no
-    hit whose window covers that block can be served.
+    Each kind searches its own way (:meth:`~kvblocks.core.groups.KindRules.longest_hit`): full attention
+    serves a leading run, found in one pass; a windowed kind looks down from ``limit`` (a sliding window
+    skips straight below the first missing block it finds); a recurrent group needs a checkpoint.
     """
     top = (limit // step) * step
-    kind = rule.kind
-    if top <= 0 or kind == "cross_attention":
+    if top <= 0:
         return max(top, 0)
-    if kind == "recurrent":
-        h = top
-        while h > 0 and not cached(h):
-            h -= step
-        return h
-    size: int = rule.block_size  # type: ignore[assignment]
-    if kind == "full":
-        run = 0
-        end = top // size
-        while run < end and cached(run):
-            run += 1
-        return (run * size // step) * step
-    h = top
-    while h > 0:
-        for missing in reversed(needed_blocks(rule, h)):  # a plain loop: up to W / B calls per hit tried
-            if not cached(missing):
-                break
-        else:
-            return h
-        if kind == "sliding_window":
-            # every hit above block `missing`'s start whose window still reaches it fails too: go below it
-            h = (missing * size // step) * step
-        else:
-            h -= step
-    return 0
+    return rule.kind_rules.longest_hit(top, step, rule.block_size or 0, rule.span or 0, cached)
 
 
 def longest_common_hit(

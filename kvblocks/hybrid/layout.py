@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from kvblocks.backends.spec import DTYPE_SIZES, KVCacheSpec
+from kvblocks.core.groups import kind_rules
 from kvblocks.errors import ConfigError
 
 __all__ = [
@@ -72,20 +73,12 @@ def held_blocks(kind: str, context: int, block_size: int, span: int | None = Non
     _positive(block_size, "block_size")
     if isinstance(context, bool) or not isinstance(context, int) or context < 0:
         raise ConfigError(f"context must be an int >= 0 tokens, got {context!r}")
-    full = _ceil_div(context, block_size)
-    if kind == "full":
-        return full
-    width = _positive(span, f"the {kind} span")
-    if kind == "cross_attention":
-        return _ceil_div(width, block_size)
-    if kind == "sliding_window":
-        return min(full, _ceil_div(width, block_size) + 1)
-    if kind == "chunked_local":
-        bound = width // block_size if width % block_size == 0 else _ceil_div(width, block_size) + 1
-        return min(full, bound)
-    raise ConfigError(
-        f"kind {kind!r} holds no blocks; block kinds: full, sliding_window, chunked_local, cross_attention"
-    )
+    rules = kind_rules(kind)
+    if not rules.has_blocks:
+        return rules.held_blocks(context, block_size, span)  # raises: it holds no blocks
+    if rules.spanned or not rules.prefix_cached:
+        span = _positive(span, f"the {kind} span")
+    return rules.held_blocks(context, block_size, span)
 
 
 # ------------------------------------------------------------------ recurrent state

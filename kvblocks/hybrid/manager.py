@@ -38,6 +38,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from kvblocks.config import CacheConfig
+from kvblocks.core.groups import GROUP_KIND_RULES, kind_rules
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, SequenceStateError, StaleLookupError
 from kvblocks.events import BlockStored, EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
@@ -72,8 +73,9 @@ class LocalGroup:
     block_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("sliding_window", "chunked_local"):
-            raise ConfigError(f"a local group is 'sliding_window' or 'chunked_local', got {self.kind!r}")
+        if not kind_rules(self.kind).releases:
+            local = ", ".join(repr(name) for name, rules in GROUP_KIND_RULES.items() if rules.releases)
+            raise ConfigError(f"a local group is one of {local}, got {self.kind!r}")
         for what in ("span", "num_blocks", "block_size"):
             value = getattr(self, what)
             if what == "block_size" and value is None:
@@ -103,7 +105,7 @@ class _EveryNth(Sequence[BlockHash]):
 class _Local:
     """A local group's state: its rule, pool, index and the tables of admitted sequences."""
 
-    __slots__ = ("block_size", "index", "pool", "ratio", "released", "rule", "sliding", "span", "tables")
+    __slots__ = ("block_size", "index", "kind", "pool", "ratio", "released", "rule", "span", "tables")
 
     def __init__(self, group: LocalGroup, chain_block_size: int, number: int, events: EventSink | None) -> None:
         block_size = group.block_size or chain_block_size
@@ -112,12 +114,12 @@ class _Local:
                 f"a local group's block_size {block_size} must be a multiple of the manager's {chain_block_size}"
             )
         self.rule = GroupHitRule(group.kind, block_size, group.span)  # type: ignore[arg-type]
-        self.sliding = group.kind == "sliding_window"
+        self.kind = self.rule.kind_rules  # the window formulas, once, in the kind
         self.span = group.span
         self.block_size = block_size
         self.ratio = block_size // chain_block_size  # chain blocks per group block
         self.pool = BlockPool(group.num_blocks)
-        self.index = FlatBlockIndex(self.pool, events=events, group=number, group_kind=group.kind)
+        self.index = FlatBlockIndex(self.pool, events=events, group=number, group_kind=self.kind.event_name)
         self.tables: dict[int, list[int]] = {}  # id(_Sequence) -> table
         self.released: dict[int, int] = {}  # id(_Sequence) -> leading positions already released
 
@@ -131,16 +133,11 @@ class _Local:
 
     def first_needed(self, next_token: int) -> int:
         """The first block position any token from ``next_token`` on attends to (its window's or chunk's start)."""
-        span = self.span
-        start = max(0, next_token - span + 1) if self.sliding else next_token - next_token % span
-        return start // self.block_size
+        return self.kind.first_needed(next_token, self.block_size, self.span)
 
     def next_move(self, next_token: int) -> int:
         """The smallest token count from which :meth:`first_needed` may exceed its value at ``next_token``."""
-        span = self.span
-        if self.sliding:  # the window's first block moves when n - W + 1 reaches the next block start
-            return (self.first_needed(next_token) + 1) * self.block_size + span - 1
-        return (next_token // span + 1) * span  # the chunk start moves at the next chunk
+        return self.kind.next_move(next_token, self.block_size, self.span)
 
     def take(self, count: int) -> list[int]:
         pool = self.pool

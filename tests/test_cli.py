@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from kvblocks import block_hashes
-from kvblocks.cli import MODEL_PRESETS, _parser, main
+from kvblocks.cli import MODEL_PRESETS, main
+from kvblocks.cli.arguments import _parser
 from kvblocks.traces import TraceFormatError, load_trace, synthetic_chat
 
 

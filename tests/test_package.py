@@ -176,7 +176,7 @@ MISSING_EXTRAS = {  # extra -> (modules it installs, a call that needs them)
     "redis": (("redis",), "kvblocks.tiers.redis_storage.RedisStorage('redis://127.0.0.1:9/0')"),
     "zmq": (("zmq", "msgspec"), "kvblocks.interop.zmq_events.ZmqEventPublisher('tcp://127.0.0.1:0')"),
     "vllm": (("vllm",), "kvblocks.integrations.vllm.KVBlocksConnector"),
-    "plot": (("matplotlib",), "kvblocks.cli._plotter('curve.png')"),
+    "plot": (("matplotlib",), "kvblocks.cli.plot._plotter('curve.png')"),
     "transformers": (("transformers",), "import_module('kvblocks.integrations.transformers')"),
 }
 

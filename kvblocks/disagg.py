@@ -237,6 +237,12 @@ class PrefillHandoff:
         return json.dumps(raw, separators=(",", ":")).encode()
 
     @property
+    def group_blocks(self) -> tuple[tuple[int, ...], ...]:
+        """The prefill node's blocks per group, group 0 (``source_blocks``) first, then each of ``groups``
+        (a local group's table with PLACEHOLDER where released; a recurrent group's one state id)."""
+        return (self.source_blocks, *(g.blocks for g in self.groups))
+
+    @property
     def group_layout(self) -> tuple[tuple[str, int], ...]:
         """(kind, span) of each local group (empty: full attention only)."""
         return tuple(g.layout for g in self.groups)

@@ -36,6 +36,7 @@ from kvblocks.accounting import BlockLifetimes, CachedTokens, CacheStats, HitCou
 from kvblocks.config import CacheConfig
 from kvblocks.errors import (
     CommitOutOfRangeError,
+    ConfigError,
     DoubleFreeError,
     DuplicateSequenceError,
     IntegrityError,
@@ -409,6 +410,31 @@ class KVCacheManager:
         """The sequence's block table (empty when it is not admitted)."""
         view = self._get(seq_id).view
         return view if view is not None else BlockTable([])
+
+    def block_tables(self, seq_id: Hashable) -> tuple[list[int], ...]:
+        """One table per layer group, group 0 first (copies; empty lists when not admitted).
+
+        A plain manager has one group, whose table is :meth:`block_table`'s; a hybrid manager adds its
+        other groups' (see :meth:`group_block_table`).
+        """
+        return tuple(self.group_block_table(seq_id, group) for group in range(self.num_groups))
+
+    def group_block_table(self, seq_id: Hashable, group: int) -> list[int]:
+        """Group ``group``'s table of ``seq_id`` (a copy; group 0 is :meth:`block_table`'s ids)."""
+        s = self._get(seq_id)
+        if group != 0 or isinstance(group, bool):
+            raise ConfigError(f"group must be an int in [0, {self.num_groups}), got {group!r}")
+        return list(s.table or ())
+
+    @property
+    def num_groups(self) -> int:
+        """Groups of layers with a table each: one here (every layer is full attention)."""
+        return 1
+
+    @property
+    def group_kinds(self) -> tuple[str, ...]:
+        """Each group's kind, by group index."""
+        return ("full",)
 
     def num_tokens(self, seq_id: Hashable) -> int:
         return self._get(seq_id).content.num_tokens

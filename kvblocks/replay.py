@@ -342,7 +342,7 @@ def _settle(m: Any, seq: int, num_tokens: int, running: Any, managers: list[Any]
 def _run_plan(m: Any) -> None:
     """Take the step's copies and report them done; the replay moves no data, so saves carry one byte."""
     plan = m.take_transfers()
-    m.complete_transfers(plan, saved=[b"\0"] * len(plan.saves) if plan.saves else None)
+    m.complete_transfers(plan, saved={g.group: [b"\0"] * len(g.saves) for g in plan.group_transfers if g.saves})
 
 
 def _tokens(kwargs: dict[str, Any]) -> int:

@@ -226,6 +226,12 @@ def test_bad_completions_are_refused_before_anything_changes() -> None:
     for bad in ({2: [0]}, {1: [99]}, {True: [0]}, [1]):
         with pytest.raises(InvalidArgumentError):
             m.complete_transfers(plan, failed_group_swap_ins=bad)  # type: ignore[arg-type]
+    for bad in ({2: [0]}, {1: [99]}, {True: [0]}, {0: [99]}, {-1: []}):  # the per-group form, group 0 included
+        with pytest.raises(InvalidArgumentError):
+            m.complete_transfers(plan, failed_swap_ins=bad)  # type: ignore[arg-type]
+    ins = {d for _, d in plan.group_transfers[1].swap_ins}
+    with pytest.raises(InvalidArgumentError, match="in one mapping"):  # both forms at once: which one holds?
+        m.complete_transfers(plan, failed_swap_ins={1: ins}, failed_group_swap_ins={1: ins})
     assert snapshot(m) == before
     m.complete_transfers(plan)
     assert m.is_ready("c")
@@ -402,8 +408,8 @@ class HybridTiersMachine(RuleBasedStateMachine):
 
     def _complete(self, data: st.DataObject) -> None:
         plan, self.plan = self.plan, None
-        moves = [(0, plan.swap_outs, plan.swap_ins)]  # type: ignore[attr-defined]
-        moves += [(t.group, t.swap_outs, t.swap_ins) for t in plan.groups]  # type: ignore[attr-defined]
+        moves = [(t.group, t.swap_outs, t.swap_ins) for t in plan.group_transfers]  # type: ignore[attr-defined]
+        assert [g for g, _, _ in moves] == [0, 1, 2]
         failed_in: dict[int, set[int]] = {}
         failed_out: dict[int, set[int]] = {}
         for g, outs, ins in moves:
@@ -417,10 +423,8 @@ class HybridTiersMachine(RuleBasedStateMachine):
                 self.device[g][d] = GARBAGE if d in failed_in[g] else self.host[g][h]
         self.m.complete_transfers(
             plan,  # type: ignore[arg-type]
-            failed_swap_ins=failed_in[0],
-            failed_swap_outs=failed_out[0],
-            failed_group_swap_ins={g: failed_in[g] for g in (1, 2)},
-            failed_group_swap_outs={g: failed_out[g] for g in (1, 2)},
+            failed_swap_ins=failed_in,  # per group, group 0 included
+            failed_swap_outs=failed_out,
         )
 
     def _compute(self, seq: int, data: st.DataObject) -> None:

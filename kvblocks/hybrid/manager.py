@@ -280,6 +280,19 @@ class HybridKVCacheManager(KVCacheManager):
             return list(self._cross(number).tables.get(id(s), ()))
         raise InvalidArgumentError(f"group {number} is recurrent: it has a state slot, not a block table")
 
+    def block_tables(self, seq_id: Hashable) -> tuple[list[int], ...]:
+        """One entry per group, group 0 first: an attention group's table (PLACEHOLDER where released), a
+        recurrent group's running state slot as a one-entry list (empty lists when not admitted)."""
+        s = self._get(seq_id)
+        tables = []
+        for number, kind in enumerate(self._kinds):
+            if kind != "recurrent":
+                tables.append(self.group_block_table(seq_id, number))
+            else:
+                slot = self._recurrent(number).slots.get(id(s))
+                tables.append([] if slot is None else [slot])
+        return tuple(tables)
+
     def group_pool(self, group: int) -> BlockPool:
         """The block pool of group ``group``: group 0's is :attr:`pool`; a recurrent group's holds its checkpoints."""
         number = self._group(group)

@@ -10,7 +10,7 @@ of its own (``TierConfig.group_host_blocks``) that the blocks its index evicts m
     group 0  where     dev  dev  host host        tree run 2, host run 2: serves a hit up to 16
     group 1  where     -    -    host dev         the window at 16 needs positions 2, 3
     lookup   CachedTokens(device=8, host=8)       group 0's split of the common hit (16 tokens)
-    allocate group 0: swap-ins h->n2, h->n3 (plan.swap_ins); group 1: h->m2 (plan.groups[0].swap_ins)
+    allocate group 0: swap-ins h->n2, h->n3 (plan.group_transfers[0].swap_ins); group 1: h->m2 (plan.group_transfers[1])
 
 * The hit is the longest prefix every group serves when a group "serves" a block it holds on device
   or in its host tier (group 0 also what storage is known to hold): :func:`longest_common_hit` over
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from typing import Any
 
 from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
@@ -60,7 +61,7 @@ from kvblocks.tiers.entry import group_tag, namespace_tag
 from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.manager import TieredKVCacheManager, _Admission, _Plan
 from kvblocks.tiers.storage_tier import LoadOutcome, StorageTier
-from kvblocks.tiers.transfers import AdmittedTable, BlockSave, GroupTransfers, LoadResult, TransferPlan
+from kvblocks.tiers.transfers import AdmittedTable, BlockSave, GroupTransfers, LoadResult, TransferPlan, per_group
 
 __all__ = ["TieredHybridKVCacheManager"]
 
@@ -117,9 +118,8 @@ class _HybridPlan(_Plan):
             or any(self.group_saves)
         )
 
-    def frozen(self) -> TransferPlan:
-        base = super().frozen()
-        groups = tuple(
+    def frozen_groups(self) -> tuple[GroupTransfers, ...]:
+        return super().frozen_groups() + tuple(
             GroupTransfers(
                 number,
                 tuple((d, h) for d, h, _ in outs),
@@ -130,7 +130,6 @@ class _HybridPlan(_Plan):
                 zip(self.group_swap_outs, self.group_swap_ins, self.group_saves, strict=True), 1
             )
         )
-        return TransferPlan(base.id, base.saves, base.swap_outs, base.swap_ins, groups)
 
 
 class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
@@ -142,8 +141,8 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
     ...     local_groups=[LocalGroup("sliding_window", span=6, num_blocks=5)])
     >>> m.add_sequence("a", list(range(17))); _ = m.allocate("a", 17); m.commit("a", 17); m.free("a")
     >>> m.add_sequence("b", list(range(100, 117))); _ = m.allocate("b", 17)   # evicts a's blocks in both groups
-    >>> plan = m.take_transfers(); len(plan.swap_outs), len(plan.groups[0].swap_outs)
-    (4, 4)
+    >>> plan = m.take_transfers(); [(g.group, len(g.swap_outs)) for g in plan.group_transfers]
+    [(0, 4), (1, 4)]
     >>> m.complete_transfers(plan); m.free("b"); m.add_sequence("c", list(range(17)))
     >>> m.lookup("c")
     CachedTokens(device=0, host=16, storage=0, num_prompt_tokens=17)
@@ -677,22 +676,31 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         self,
         plan: TransferPlan,
         *,
-        saved: Sequence[object] | None = None,
+        saved: Mapping[int, Sequence[object]] | Sequence[object] | None = None,
+        failed_swap_ins: Mapping[int, Collection[int]] | Collection[int] = (),
+        failed_swap_outs: Mapping[int, Collection[int]] | Collection[int] = (),
         saved_groups: Mapping[int, Sequence[object]] | None = None,
-        failed_swap_ins: Collection[int] = (),
-        failed_swap_outs: Collection[int] = (),
         failed_group_swap_ins: Mapping[int, Collection[int]] | None = None,
         failed_group_swap_outs: Mapping[int, Collection[int]] | None = None,
     ) -> None:
-        """As :meth:`TieredKVCacheManager.complete_transfers`; ``saved_groups`` maps a local group's index
-        to the payloads of its ``GroupTransfers.saves`` (without them they are dropped and counted);
-        ``failed_group_swap_ins`` / ``failed_group_swap_outs`` map a local group's index to its device /
-        host blocks whose copy failed.
+        """As :meth:`TieredKVCacheManager.complete_transfers`, each argument mapping a group (0: full
+        attention, then the local groups) to the payloads of its ``group_transfers[g].saves`` (without
+        them they are dropped and counted) or to its device / host blocks whose copy failed.
 
-        Every argument is checked before anything changes (a wrong payload in any group: the plan can be
-        completed again). A failed copy in any group cuts the admission's hit back to the longest one
-        every group still serves with what landed.
+        ``saved_groups``, ``failed_group_swap_ins`` and ``failed_group_swap_outs`` (the groups after 0,
+        beside bare group-0 figures) are the previous release's form, still taken. Every argument is
+        checked before anything changes (a wrong payload in any group: the plan can be completed again).
+        A failed copy in any group cuts the admission's hit back to the longest one every group still
+        serves with what landed.
         """
+        groups = 1 + len(self._locals)
+        saved_0: Sequence[object] | None
+        saved_0, more_saved = per_group(saved, "saved", groups)
+        failed_swap_ins, more_in = per_group(failed_swap_ins, "failed_swap_ins", groups, ())
+        failed_swap_outs, more_out = per_group(failed_swap_outs, "failed_swap_outs", groups, ())
+        saved_groups = _one_form(saved_groups, more_saved, "saved")
+        failed_group_swap_ins = _one_form(failed_group_swap_ins, more_in, "failed_swap_ins")
+        failed_group_swap_outs = _one_form(failed_group_swap_outs, more_out, "failed_swap_outs")
         failed_in = set(failed_swap_ins)
         failed_out = set(failed_swap_outs)
         state: _HybridPlan | None = self._completing(plan, failed_in, failed_out)  # type: ignore[assignment]
@@ -701,8 +709,8 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         payloads = self._group_payloads(saved_groups, state)
         if state is None:
             return
-        if saved is not None and state.saves:  # group 0's, checked before any group changes
-            self._storage.check_payloads([save.block_hash for save in state.saves], saved)  # type: ignore[union-attr]
+        if saved_0 is not None and state.saves:  # group 0's, checked before any group changes
+            self._storage.check_payloads([save.block_hash for save in state.saves], saved_0)  # type: ignore[union-attr]
         for number, saves in enumerate(state.group_saves):
             if not saves:
                 continue
@@ -728,7 +736,7 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         for number, local in enumerate(self._locals):
             for order in state.group_deferred[number]:
                 local.pool._release_valid(order)
-        super().complete_transfers(plan, saved=saved, failed_swap_ins=failed_in, failed_swap_outs=failed_out)
+        super().complete_transfers(plan, saved=saved_0, failed_swap_ins=failed_in, failed_swap_outs=failed_out)
         for admission in reported:  # those with no group-0 swap-in in this plan
             if not admission.cancelled and self._admissions.get(id(admission.seq)) is admission:
                 self._finish(admission)
@@ -1011,6 +1019,13 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
                     raise IntegrityError(f"group {group}: {admission.seq_id!r} lost the block a swap-in fills")
                 if local.index.hash_of(device_block) is not None:
                     raise IntegrityError(f"group {group}: block {device_block} is findable before its copy landed")
+
+
+def _one_form(old: Mapping[int, Any] | None, new: dict[int, Any], what: str) -> Mapping[int, Any] | None:
+    """The other groups' figures, given per group in ``what`` or (the previous release's form) apart."""
+    if new and old:
+        raise InvalidArgumentError(f"give the groups' {what} in one mapping, not also in the previous keyword")
+    return new or old
 
 
 def _nowhere(block_hash: BlockHash) -> int | None:

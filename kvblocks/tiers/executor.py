@@ -20,7 +20,7 @@ from kvblocks.backends.base import Backend
 from kvblocks.backends.cache import KVCache
 from kvblocks.backends.registry import get_backend
 from kvblocks.errors import ConfigError
-from kvblocks.tiers.transfers import LoadResult, TransferPlan
+from kvblocks.tiers.transfers import GroupTransfers, LoadResult, TransferPlan
 
 if TYPE_CHECKING:
     from kvblocks.tiers.manager import TieredKVCacheManager
@@ -40,7 +40,7 @@ class TransferExecutor:
     ) -> None:
         if getattr(manager, "num_groups", 1) != 1:  # a plan's groups would be reported done without running
             raise ConfigError(
-                "TransferExecutor runs one group's copies; a hybrid manager's plan.groups need one cache each"
+                "TransferExecutor runs one group's copies; a hybrid manager's plan.group_transfers need one cache each"
             )
         if manager.host is not None:
             if host_cache is None:
@@ -61,16 +61,20 @@ class TransferExecutor:
 
     def run(self, plan: TransferPlan) -> None:
         """Execute ``plan`` in its order, wait for the copies, and report it complete."""
-        saved = self._snapshot(plan) if plan.saves else None
-        if plan.swap_outs:
-            source, target = zip(*plan.swap_outs, strict=True)
+        if not plan.group_transfers:
+            self.manager.complete_transfers(plan)
+            return
+        (copies,) = plan.group_transfers  # one group: checked at construction
+        saved = {0: self._snapshot(copies)} if copies.saves else None
+        if copies.swap_outs:
+            source, target = zip(*copies.swap_outs, strict=True)
             self.backend.transfer(self.device_cache, self.host_cache, list(source), list(target)).wait()  # type: ignore[arg-type]
-        if plan.swap_ins:
-            source, target = zip(*plan.swap_ins, strict=True)
+        if copies.swap_ins:
+            source, target = zip(*copies.swap_ins, strict=True)
             self.backend.transfer(self.host_cache, self.device_cache, list(source), list(target)).wait()  # type: ignore[arg-type]
         self.manager.complete_transfers(plan, saved=saved)
 
-    def _snapshot(self, plan: TransferPlan) -> list[memoryview]:
+    def _snapshot(self, plan: GroupTransfers) -> list[memoryview]:
         """The bytes of every block to save, copied now (before anything can overwrite the blocks)."""
         rows: list[memoryview] = [memoryview(b"")] * len(plan.saves)
         for tier, backend, cache in (

@@ -34,7 +34,7 @@ covers every tier.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import TypeVar
@@ -49,7 +49,7 @@ from kvblocks.manager import BlockTable, KVCacheManager, _count_arg, _Sequence
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.storage_tier import LoadOutcome, StorageTier, StorageTierStats
-from kvblocks.tiers.transfers import AdmittedTable, BlockSave, LoadResult, TransferPlan
+from kvblocks.tiers.transfers import AdmittedTable, BlockSave, GroupTransfers, LoadResult, TransferPlan, per_group
 from kvblocks.tiers.writer import WriterStats
 
 _Manager = TypeVar("_Manager", bound="TieredKVCacheManager")
@@ -139,11 +139,17 @@ class _Plan:
         return bool(self.saves or self.swap_outs or self.swap_ins or self.deferred)
 
     def frozen(self) -> TransferPlan:
-        return TransferPlan(
-            self.id,
-            tuple(self.saves),
-            tuple((d, h) for d, h, _ in self.swap_outs),
-            tuple((h, d) for h, d, _ in self.swap_ins),
+        return TransferPlan(self.id, self.frozen_groups())
+
+    def frozen_groups(self) -> tuple[GroupTransfers, ...]:
+        """Group 0's copies (a hybrid plan adds its local groups')."""
+        return (
+            GroupTransfers(
+                0,
+                tuple((d, h) for d, h, _ in self.swap_outs),
+                tuple((h, d) for h, d, _ in self.swap_ins),
+                tuple(self.saves),
+            ),
         )
 
 
@@ -566,26 +572,31 @@ class TieredKVCacheManager(KVCacheManager):
         self,
         plan: TransferPlan,
         *,
-        saved: Sequence[object] | None = None,
-        failed_swap_ins: Collection[int] = (),
-        failed_swap_outs: Collection[int] = (),
+        saved: Mapping[int, Sequence[object]] | Sequence[object] | None = None,
+        failed_swap_ins: Mapping[int, Collection[int]] | Collection[int] = (),
+        failed_swap_outs: Mapping[int, Collection[int]] | Collection[int] = (),
     ) -> None:
-        """Report that ``plan`` ran.
+        """Report that ``plan`` ran. Each argument maps a group to its figures (``{0: ...}`` here: one group).
 
-        ``saved`` holds the payload of each of ``plan.saves`` (one bytes-like per block, or
-        one per rank): they are queued for storage. Without it the saves are dropped and
-        counted. ``failed_swap_ins`` / ``failed_swap_outs`` name the device / host blocks
-        whose copy failed: a failed swap-in leaves its host block a host hit and the
-        sequence computes those tokens; a failed swap-out host block becomes free.
+        ``saved[g]`` holds the payload of each of ``plan.group_transfers[g].saves`` (one bytes-like
+        per block, or one per rank): they are queued for storage. Without it the saves are dropped
+        and counted. ``failed_swap_ins[g]`` / ``failed_swap_outs[g]`` name the device / host blocks
+        whose copy failed: a failed swap-in leaves its host block a host hit and the sequence
+        computes those tokens; a failed swap-out host block becomes free. (Group 0's figures given
+        bare, not in a mapping, are the previous release's form, still taken.)
         """
+        saved_0: Sequence[object] | None
+        saved_0, _ = per_group(saved, "saved", 1)
+        failed_swap_ins, _ = per_group(failed_swap_ins, "failed_swap_ins", 1, ())
+        failed_swap_outs, _ = per_group(failed_swap_outs, "failed_swap_outs", 1, ())
         failed_in = set(failed_swap_ins)
         failed_out = set(failed_swap_outs)
         state = self._completing(plan, failed_in, failed_out)
         if state is None:
             return
         storage = self._storage
-        if saved is not None and state.saves:
-            storage.save([save.block_hash for save in state.saves], saved)  # type: ignore[union-attr]  # validates first
+        if saved_0 is not None and state.saves:
+            storage.save([save.block_hash for save in state.saves], saved_0)  # type: ignore[union-attr]  # validates first
         elif state.saves:
             self._counts.saves_without_payload += len(state.saves)
         del self._inflight[plan.id]

@@ -13,13 +13,15 @@ both saved (1) and overwritten by a swap-out (2).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from kvblocks.errors import InvalidArgumentError
 from kvblocks.hashing import BlockHash
 from kvblocks.manager import BlockTable
 
-__all__ = ["AdmittedTable", "BlockSave", "GroupTransfers", "LoadResult", "TransferPlan"]
+__all__ = ["AdmittedTable", "BlockSave", "GroupTransfers", "LoadResult", "TransferPlan", "per_group"]
 
 
 class AdmittedTable(BlockTable):
@@ -59,11 +61,11 @@ class BlockSave:
 
 @dataclass(frozen=True, slots=True)
 class GroupTransfers:
-    """The copies of one local layer group of a hybrid manager (its own device and host blocks, its own storage keys).
+    """The copies of one layer group (its own device and host blocks, its own storage keys).
 
     Block ids index that group's device cache and that group's host cache; run them in the plan's
-    order, as group 0's: saves, then swap-outs, then swap-ins. Hand the saves' payloads back with
-    ``complete_transfers(plan, saved_groups={group: [...]})``.
+    order: saves, then swap-outs, then swap-ins. Hand the saves' payloads back with
+    ``complete_transfers(plan, saved={group: [...]})``.
     """
 
     group: int
@@ -80,23 +82,72 @@ class GroupTransfers:
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """The copies of one step; hand it back with ``complete_transfers`` once they ran.
+    """The copies of one step, one :class:`GroupTransfers` per layer group; hand it back with
+    ``complete_transfers`` once they ran.
 
-    ``saves``, ``swap_outs`` and ``swap_ins`` are group 0's (the full-attention layers of a hybrid
-    manager; every layer of a plain one). ``groups`` holds a hybrid manager's local groups' copies,
-    one :class:`GroupTransfers` per local group in group order (empty for a plain manager).
+    ``group_transfers[g]`` is group ``g``'s, group 0 first (every layer of a plain manager; the
+    full-attention layers of a hybrid one, then its local groups in group order)::
+
+        for g in plan.group_transfers:
+            run(caches[g.group], g.saves, g.swap_outs, g.swap_ins)   # saves first, then out, then in
+
+    ``saves``, ``swap_outs``, ``swap_ins`` (group 0's) and ``groups`` (the groups after 0) are the
+    previous release's names, kept as read-only aliases for one release.
     """
 
     id: int
-    saves: tuple[BlockSave, ...] = ()
-    swap_outs: tuple[tuple[int, int], ...] = ()
-    """(device block, host block) pairs."""
-    swap_ins: tuple[tuple[int, int], ...] = ()
-    """(host block, device block) pairs."""
-    groups: tuple[GroupTransfers, ...] = ()
+    group_transfers: tuple[GroupTransfers, ...] = ()
+
+    def _group0(self) -> GroupTransfers:
+        groups = self.group_transfers
+        return groups[0] if groups else _NO_TRANSFERS
+
+    @property
+    def saves(self) -> tuple[BlockSave, ...]:
+        """Group 0's saves (alias of ``group_transfers[0].saves``, for one release)."""
+        return self._group0().saves
+
+    @property
+    def swap_outs(self) -> tuple[tuple[int, int], ...]:
+        """Group 0's (device block, host block) pairs (alias of ``group_transfers[0].swap_outs``)."""
+        return self._group0().swap_outs
+
+    @property
+    def swap_ins(self) -> tuple[tuple[int, int], ...]:
+        """Group 0's (host block, device block) pairs (alias of ``group_transfers[0].swap_ins``)."""
+        return self._group0().swap_ins
+
+    @property
+    def groups(self) -> tuple[GroupTransfers, ...]:
+        """The groups after group 0 (alias of ``group_transfers[1:]``, for one release)."""
+        return self.group_transfers[1:]
 
     def __bool__(self) -> bool:
-        return bool(self.saves or self.swap_outs or self.swap_ins or any(self.groups))
+        return any(self.group_transfers)
+
+
+_NO_TRANSFERS = GroupTransfers(0)
+
+
+def per_group(value: object, what: str, num_groups: int, default: object = None) -> tuple[Any, dict[int, Any]]:
+    """Split a ``complete_transfers`` argument into group 0's value and the other groups' values.
+
+    A mapping is the per-group form (``{group: value}``, group 0 included); anything else is the
+    previous release's form, group 0's value alone (``default`` when a mapping leaves group 0 out).
+    Raises :class:`InvalidArgumentError` for a group the manager does not have. Changes nothing.
+    """
+    if not isinstance(value, Mapping):
+        return value, {}
+    others: dict[int, Any] = {}
+    first = default
+    for group, entry in value.items():
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < num_groups:
+            raise InvalidArgumentError(f"{what}: {group!r} is not a group of this manager (0..{num_groups - 1})")
+        if group == 0:
+            first = entry
+        else:
+            others[group] = entry
+    return first, others
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ class PagedGenerator:
         if self.layout.hybrid:
             raise ConfigError(
                 "PagedGenerator serves tiers for models whose layers are all of one kind; this one mixes full "
-                "and sliding-window layers (a TieredHybridKVCacheManager's plan.groups are not run yet)"
+                "and sliding-window layers (a TieredHybridKVCacheManager's plan.group_transfers are not run yet)"
             )
         expected = EntryFormat.for_spec(self.layout.spec(FULL_GROUP, block_size), DEFAULT_SCHEME)
         if tiers.storage is not None and tiers.entry_format != expected:

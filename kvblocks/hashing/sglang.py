@@ -26,7 +26,10 @@ from __future__ import annotations
 import hashlib
 
 from kvblocks.errors import ConfigError, InvalidBlockHashError
-from kvblocks.hashing.core import BlockExtras, BlockHash, HashScheme, Namespace, _Framer, digest_u64
+from kvblocks.hashing.encoding import digest_u64
+from kvblocks.hashing.extras import BlockExtras, _Framer
+from kvblocks.hashing.schemes import HashScheme, Namespace
+from kvblocks.hashing.tokens import BlockHash
 
 __all__ = ["SGLANG_SCHEMES", "SglangScheme", "sglang_int_hash"]
 

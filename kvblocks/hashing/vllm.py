@@ -58,7 +58,9 @@ import numpy as np
 import xxhash
 
 from kvblocks.errors import ConfigError, InvalidBlockHashError
-from kvblocks.hashing.core import BlockExtras, BlockHash, HashScheme, Namespace, blocks_overlapping
+from kvblocks.hashing.extras import BlockExtras, blocks_overlapping
+from kvblocks.hashing.schemes import HashScheme, Namespace
+from kvblocks.hashing.tokens import BlockHash
 
 __all__ = ["DEFAULT_SEED", "VLLM_SCHEMES", "VllmScheme", "vllm_extra_keys"]
 

@@ -26,80 +26,43 @@ trails the index by at most a step, and replaying the notes in order gives exact
 
 Keys carry the entry format's tag (:attr:`EntryFormat.tag`), so a node whose KV format differs
 (a bfloat16 deployment beside a float16 one) neither finds nor skips writing the other's entries.
+
+The reads themselves -- fetching, checking and settling entries, on the reader thread or the caller's -- are
+:class:`~kvblocks.tiers.storage_reads.EntryReader`'s, which the tier owns; its counters and a read's outcome
+are defined in :mod:`kvblocks.tiers.storage_stats` (and importable from here).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import os
 import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvblocks.errors import ConfigError, InvalidArgumentError
 from kvblocks.events import EventSink, record_changes
 from kvblocks.events.codec import BlockStored, is_group_tag
 from kvblocks.hashing import BlockHash, Namespace
 from kvblocks.tiers.config import TierConfig
-from kvblocks.tiers.entry import HEADER, EntryFormat, StreamedChecksum, block_key, namespace_tag
-from kvblocks.tiers.storage import StorageBackend, byte_view
+from kvblocks.tiers.entry import HEADER, EntryFormat, block_key, namespace_tag
+from kvblocks.tiers.storage import StorageBackend
+from kvblocks.tiers.storage_reads import SHARED_READ_BYTES, EntryReader
+from kvblocks.tiers.storage_stats import LoadOutcome, StorageTierStats
+from kvblocks.tiers.storage_stats import Payload as Payload  # importable from here, as before
 from kvblocks.tiers.writer import AsyncWriter, EntryPool
 
 __all__ = ["LoadOutcome", "StorageTier", "StorageTierStats"]
 
 _log = logging.getLogger("kvblocks.tiers")
-_Read = TypeVar("_Read")  # what a guarded read returns: a LoadOutcome, or a count of blocks read
 _MAX_QUEUED_PROBES = 256
-_WRONG_KEY = "written under another key"
-_READONLY = operator.attrgetter("readonly")
 ENTRY_POOL_BYTES = 256 << 20
 """Idle entry buffers a tier keeps for :meth:`StorageTier.save_built` (the most a pool holds unused)."""
-SHARED_READ_BYTES = 1 << 20
-"""A :meth:`StorageTier.read_into` of at least this many payload bytes (and more than one block) shares its
-entries with a helper thread where the host has more than one core: reading a file into place is a
-kernel copy, hashing it xxh3, and both release the GIL (vLLM's CPU layout, 2 MiB blocks, a 32 MiB step:
-about 6.1 -> 3.9 ms with the second core free; about the same 6 ms with it busy, as the calling thread
-takes whatever entries the helper has not)."""
-
-Payload = memoryview
-
-
-@dataclass
-class StorageTierStats:
-    """Monotonic counters of the storage tier, in blocks."""
-
-    saves_queued: int = 0
-    loads_requested: int = 0
-    loads_hit: int = 0
-    loads_missing: int = 0
-    loads_corrupt: int = 0
-    """Entries found damaged (bad magic, another format version or spec than their key's format tag names, short,
-    long, checksum mismatch): a miss, and removed so that the block can be written again."""
-    loads_wrong_key: int = 0
-    """Sound entries whose header names another key (copied or renamed): a miss, and removed."""
-    loads_beyond_a_miss: int = 0
-    load_timeouts: int = 0
-    loads_cancelled: int = 0
-    load_errors: int = 0
-    probes: int = 0
-    probes_dropped: int = 0
-
-    def snapshot(self) -> StorageTierStats:
-        return replace(self)
-
-
-@dataclass(frozen=True)
-class LoadOutcome:
-    """What a read found: payloads of the usable leading run (one per rank per block)."""
-
-    payloads: tuple[tuple[Payload, ...], ...]
 
 
 @dataclass
@@ -108,14 +71,6 @@ class _Request:
     hashes: tuple[BlockHash, ...]
     load: bool
     cancelled: bool = field(default=False)
-
-
-def _scatter(payload: memoryview, views: list[memoryview]) -> None:
-    """Copy ``payload`` across ``views`` in order (their lengths add up to the payload's)."""
-    offset = 0
-    for view in views:
-        view[:] = payload[offset : offset + len(view)]
-        offset += len(view)
 
 
 class StorageTier:
@@ -146,7 +101,7 @@ class StorageTier:
         writer thread at the first save instead of now (a tier that may never save, e.g. vLLM's
         scheduler-side connector, then runs none). ``shared_read_bytes``: :meth:`read_into` calls moving at
         least this many payload bytes share the work with a helper thread (None: never; see
-        :data:`SHARED_READ_BYTES`)."""
+        :data:`~kvblocks.tiers.storage_reads.SHARED_READ_BYTES`)."""
         entry_format = entry_format if entry_format is not None else config.entry_format
         if config.storage is None or entry_format is None:
             raise ConfigError("StorageTier needs a TierConfig with storage and entry_format")
@@ -190,12 +145,16 @@ class StorageTier:
         self._writer_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_loop, name="kvblocks-storage-reader", daemon=True)
         self._reader.start()
-        if shared_read_bytes is not None and (
-            isinstance(shared_read_bytes, bool) or not isinstance(shared_read_bytes, int) or shared_read_bytes < 0
-        ):
-            raise ConfigError(f"shared_read_bytes must be an int >= 0 or None, got {shared_read_bytes!r}")
-        self._shared_read_bytes = shared_read_bytes if (os.cpu_count() or 1) > 1 else None
-        self._read_helper: ThreadPoolExecutor | None = None  # started by the first shared read_into
+        self._reads = EntryReader(
+            self.backend,
+            entry_format,
+            self.keys_of,
+            len(self._ranks),
+            self.stats,
+            self._forget,
+            shared_read_bytes,
+            os.cpu_count() or 1,
+        )
         self._closed = False
         if not writer_on_demand:
             _ = self.writer
@@ -462,20 +421,7 @@ class StorageTier:
         """
         checked = tuple(hashes)
         self.stats.loads_requested += len(checked)
-        return self._read_or_miss(checked)
-
-    def _read_or_miss(self, hashes: tuple[BlockHash, ...]) -> LoadOutcome:
-        """:meth:`_read`, where a backend that raises (a bug) makes every block a miss instead of an error."""
-        return self._or_miss(lambda: self._read(hashes), len(hashes), LoadOutcome(()))
-
-    def _or_miss(self, read: Callable[[], _Read], blocks: int, miss: _Read) -> _Read:
-        """``read()``, or -- when the backend raises (a bug) -- ``miss``, its ``blocks`` counted as load errors."""
-        try:
-            return read()
-        except Exception:
-            _log.exception("storage read failed")
-            self.stats.load_errors += blocks
-            return miss
+        return self._reads.read_or_miss(checked)
 
     def cancel(self, request_id: int) -> None:
         """The caller no longer wants a queued read: the reader skips it if it has not started it."""
@@ -506,7 +452,7 @@ class StorageTier:
             if request.load:
                 self._queued_loads.pop(request.id, None)
                 if not request.cancelled:  # a freed or timed-out admission's read is not worth doing
-                    self._results.put((request.id, self._read_or_miss(request.hashes)))
+                    self._results.put((request.id, self._reads.read_or_miss(request.hashes)))
             else:
                 with self._lock:
                     self._queued_probes -= 1
@@ -524,63 +470,6 @@ class StorageTier:
         target = self._requested
         with self._progress:
             return self._progress.wait_for(lambda: self._answered >= target, timeout)
-
-    def _read(self, hashes: tuple[BlockHash, ...]) -> LoadOutcome:
-        """One batched get; decode every shard; keep the leading run whose shards are all sound."""
-        shards = len(self._ranks)
-        keys = [key for h in hashes for key in self.keys_of(h)]
-        values = self.backend.get(keys)
-        decode = self.format.decode
-        decoded = [decode(value, key) for value, key in zip(values, keys, strict=True)]
-        usable = self._settle(hashes, keys, [reason for _, reason in decoded])
-        run = [payload for payload, _ in decoded[: usable * shards] if payload is not None]  # all sound, by _settle
-        return LoadOutcome(tuple(tuple(run[i * shards : (i + 1) * shards]) for i in range(usable)))
-
-    def _settle(self, hashes: tuple[BlockHash, ...], keys: list[str], reasons: list[str]) -> int:
-        """Count and clean up after a read whose shard ``keys[i]`` was found ``reasons[i]`` ("" sound);
-        returns how many leading ``hashes`` have every shard sound.
-
-        Corrupt entries and entries written under another key are deleted: the writer skips keys that
-        exist, so they would block the rightful entry forever. A header naming another format version
-        or spec is corrupt too: the key's format tag (:attr:`EntryFormat.tag`) names this format's
-        header, so no sound entry of another format is ever stored under it -- a flipped version byte
-        must not make a block unwritable. Hashes that failed leave the index.
-        """
-        shards = len(self._ranks)
-        failed: list[BlockHash] = []
-        corrupt: list[str] = []
-        misplaced: list[str] = []
-        absent = usable = 0
-        for i, h in enumerate(hashes):
-            sound = 0
-            for j in range(shards):
-                key, reason = keys[i * shards + j], reasons[i * shards + j]
-                if not reason:
-                    sound += 1
-                elif reason == "absent":
-                    absent += 1
-                elif reason == _WRONG_KEY:
-                    misplaced.append(key)
-                else:
-                    corrupt.append(key)
-            if sound < shards:
-                failed.append(h)
-            elif not failed:
-                usable += 1
-        if corrupt or misplaced:
-            _log.warning(
-                "%d corrupt storage entries and %d written under another key removed", len(corrupt), len(misplaced)
-            )
-            self.backend.delete(corrupt + misplaced)
-        if failed:
-            self._forget(failed)
-        stats = self.stats
-        stats.loads_hit += usable
-        stats.loads_missing += absent
-        stats.loads_corrupt += len(corrupt)
-        stats.loads_wrong_key += len(misplaced)
-        stats.loads_beyond_a_miss += max(0, len(hashes) - usable - 1)
-        return usable
 
     # ------------------------------------------------------------------ reads into place
 
@@ -600,96 +489,7 @@ class StorageTier:
         entry, a corrupt one -- so its block must be recomputed (vLLM: reported as a load error). A tier
         with several shards per block cannot read into place (:class:`InvalidArgumentError`).
         """
-        checked = tuple(hashes)
-        parts = self._checked_targets(checked, targets)
-        self.stats.loads_requested += len(checked)
-        return self._or_miss(lambda: self._read_into(checked, parts), len(checked), 0)
-
-    def _checked_targets(
-        self, hashes: tuple[BlockHash, ...], targets: Sequence[Sequence[Any]]
-    ) -> list[list[memoryview]]:
-        if len(self._ranks) != 1:
-            raise InvalidArgumentError(f"read_into reads one shard per block; this tier has {len(self._ranks)}")
-        if len(targets) != len(hashes):
-            raise InvalidArgumentError(f"{len(hashes)} blocks to read but {len(targets)} targets")
-        length = self.format.payload_length
-        out = []
-        for target in targets:
-            try:
-                views = list(map(byte_view, target))
-            except (TypeError, ValueError) as e:
-                raise InvalidArgumentError(f"a read target must be contiguous buffers: {e}") from None
-            if any(map(_READONLY, views)):
-                raise InvalidArgumentError("a read target is read-only")
-            if (size := sum(map(len, views))) != length:
-                raise InvalidArgumentError(f"a read target holds {size} bytes, the format says {length}")
-            out.append(views)
-        return out
-
-    def _read_into(self, hashes: tuple[BlockHash, ...], parts: list[list[memoryview]]) -> int:
-        keys = [self.keys_of(h)[0] for h in hashes]
-        get_into = getattr(self.backend, "get_into", None)
-        if callable(get_into):
-            reasons = self._each_shared(len(keys), lambda: self._entry_reader(get_into, keys, parts))
-        else:
-            reasons = []
-            for key, value, views in zip(keys, self.backend.get(keys), parts, strict=True):
-                payload, reason = self.format.decode(value, key)
-                if payload is not None:
-                    _scatter(payload, views)
-                reasons.append(reason)
-        return self._settle(hashes, keys, reasons)
-
-    def _entry_reader(
-        self, get_into: Callable[..., int | None], keys: list[str], parts: list[list[memoryview]]
-    ) -> Callable[[int], str]:
-        """One thread's reader of entry ``i`` into ``parts[i]``: why it is unsound ("" when sound) -- header,
-        length, checksum and key checked (:meth:`EntryFormat.check_read`) once the read is in place, the
-        checksum taken as the read lands (``get_into(key, buffers, on_read=...)``)."""
-        header = bytearray(HEADER.size)  # one per thread
-        checksum = StreamedChecksum()
-        check = self.format.check_read
-
-        def read(i: int) -> str:
-            key, views = keys[i], parts[i]
-            length = get_into(key, [header, *views], on_read=checksum.start())
-            return check(header, length, views, key, checksum)
-
-        return read
-
-    def _each_shared(self, count: int, make: Callable[[], Callable[[int], str]]) -> list[str]:
-        """``task(i)`` for every ``i < count``, ``task = make()`` made once per thread: the calling thread and,
-        for a read big enough (:data:`SHARED_READ_BYTES`), the helper thread take the next ``i`` in turn.
-
-        Returns only once both are done with every ``i`` -- the buffers are the caller's again -- and
-        re-raises what either raised.
-        """
-        out = [""] * count
-        turns = itertools.count()
-
-        def work() -> None:
-            task = make()
-            while (i := next(turns)) < count:  # next() on a count is atomic: each i is taken once
-                out[i] = task(i)
-
-        limit = self._shared_read_bytes
-        helper = None if limit is None or count < 2 or count * self.format.payload_length < limit else self._helper()
-        future: Future[None] | None = None if helper is None else helper.submit(work)
-        try:
-            work()
-        finally:
-            if future is not None and not future.cancel():
-                wait([future])
-        if future is not None and not future.cancelled():
-            future.result()
-        return out
-
-    def _helper(self) -> ThreadPoolExecutor | None:
-        """The read helper thread's executor, started on first use; None once the tier is closed."""
-        with self._writer_lock:
-            if self._read_helper is None and not self._closed:
-                self._read_helper = ThreadPoolExecutor(1, thread_name_prefix="kvblocks-storage-read-helper")
-            return self._read_helper
+        return self._reads.read_into(hashes, targets)
 
     def _probe(self, hashes: tuple[BlockHash, ...]) -> None:
         with self._lock:
@@ -716,15 +516,12 @@ class StorageTier:
         if self._closed:
             return
         self._closed = True
+        self._reads.close()  # no read helper from now on
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._writer_lock:
             writer = self._writer
         if writer is not None:
             writer.close(timeout)
-        with self._writer_lock:
-            helper, self._read_helper = self._read_helper, None
-        if helper is not None:
-            helper.shutdown(wait=False)
         self._requests.put(None)
         self._reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self._owns_backend:

@@ -1,0 +1,185 @@
+"""Chained hashing of a sequence's full blocks: :class:`BlockHasher`, the incremental :class:`HashedTokens`,
+:class:`PrecomputedHashes` for callers that have hashes but no tokens, and :func:`block_hashes`.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+from functools import lru_cache
+
+import numpy as np
+
+from kvblocks.errors import InvalidArgumentError, InvalidBlockHashError, SequenceStateError
+from kvblocks.hashing.extras import BlockExtras, _Framer
+from kvblocks.hashing.schemes import DEFAULT_SCHEME, Namespace, get_scheme
+from kvblocks.hashing.tokens import _BIG_ENDIAN, BlockHash, _check_index, pack_tokens, validate_block_hashes
+
+__all__ = ["BlockHasher", "HashedTokens", "PrecomputedHashes", "block_hashes"]
+
+_SMALL_RUN = 8  # below this many blocks, slicing beats numpy's per-call overhead
+
+
+class BlockHasher:
+    """Chained block hashing bound to one scheme, namespace and block size.
+
+    >>> hasher = BlockHasher(4, scheme="xxh3-64-1337")
+    >>> len(hasher.hash_tokens(range(10)))  # 2 full blocks; the last 2 tokens are a partial block
+    2
+    """
+
+    __slots__ = ("_block_dtype", "block_size", "namespace", "root", "scheme")
+
+    def __init__(self, block_size: int, scheme: str = DEFAULT_SCHEME, namespace: str | Namespace = "default"):
+        self.block_size = _check_index(block_size, "block_size", minimum=1)
+        self.scheme = get_scheme(scheme)
+        self.namespace = Namespace.of(namespace)
+        self.root = self.scheme.root(self.namespace, self.block_size)
+        self._block_dtype = np.dtype(f"V{4 * self.block_size}")
+
+    def hash_packed(
+        self,
+        tokens: array[int],
+        start_block: int,
+        stop_block: int,
+        parent: BlockHash | None,
+        framer: _Framer | None = None,
+    ) -> list[BlockHash]:
+        """Hashes of blocks ``start_block..stop_block-1`` of ``tokens``, chained onto ``parent``."""
+        count = stop_block - start_block
+        if count <= 0:
+            return []
+        width = self.block_size
+        if _BIG_ENDIAN:  # pragma: no cover - exercised only on big-endian hosts
+            tokens = array("I", tokens[start_block * width : stop_block * width])
+            tokens.byteswap()
+            start_block, stop_block = 0, count
+        if count < _SMALL_RUN:
+            blocks = [tokens[i * width : (i + 1) * width].tobytes() for i in range(start_block, stop_block)]
+        else:
+            blocks = np.frombuffer(
+                tokens, dtype=self._block_dtype, count=count, offset=start_block * 4 * width
+            ).tolist()
+        return self.scheme.chain(blocks, parent, framer, start_block)
+
+    def hash_tokens(self, token_ids: Iterable[int], extras: BlockExtras | None = None) -> list[BlockHash]:
+        """Chained hashes of every full block of ``token_ids``."""
+        tokens = pack_tokens(token_ids)
+        framer = self.scheme.make_framer(extras, self.block_size) if extras is not None else None
+        return self.hash_packed(tokens, 0, len(tokens) // self.block_size, self.root, framer)
+
+
+class HashedTokens:
+    """A sequence's private copy of its token ids and the hashes of its full blocks.
+
+    Extending is incremental: only blocks completed by the new tokens are hashed,
+    and hashing a prompt in one call or piecewise gives identical hashes. The
+    caller's token list is copied, so later changes to it have no effect here.
+    """
+
+    __slots__ = ("_framer", "_hasher", "_tokens", "hashes", "num_tokens")
+
+    def __init__(self, hasher: BlockHasher, token_ids: Iterable[int] = (), extras: BlockExtras | None = None):
+        self._hasher = hasher
+        self._framer = hasher.scheme.make_framer(extras, hasher.block_size) if extras is not None else None
+        self._tokens = pack_tokens(token_ids)  # a fresh array: the caller's list is never referenced
+        self.hashes: list[BlockHash] = []
+        """Chained hashes of the full blocks so far (read-only for callers)."""
+        self.num_tokens = 0
+        self._hash_new_blocks()
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    def extend(self, token_ids: Iterable[int]) -> int:
+        """Append tokens; return how many new full blocks were hashed."""
+        packed = pack_tokens(token_ids)
+        return self.extend_packed(packed)
+
+    def extend_packed(self, packed: array[int]) -> int:
+        self._tokens.extend(packed)
+        return self._hash_new_blocks()
+
+    def truncate(self, num_tokens: int) -> None:
+        """Forget the tokens from ``num_tokens`` on (an append the caller took back), and their blocks' hashes.
+
+        Both are replaced by shorter copies, never cut in place: apart from that, they only grow, so an
+        event recorded earlier may still read its part of them (``PrefixTree.insert(..., stable=True)``)."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise InvalidArgumentError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}")
+        self._tokens = self._tokens[:num_tokens]
+        self.hashes = self.hashes[: num_tokens // self._hasher.block_size]
+        self.num_tokens = num_tokens
+
+    def _hash_new_blocks(self) -> int:
+        tokens = self._tokens
+        self.num_tokens = len(tokens)
+        hashes = self.hashes
+        done = len(hashes)
+        full = self.num_tokens // self._hasher.block_size
+        if full == done:
+            return 0
+        parent = hashes[-1] if done else self._hasher.root
+        hashes.extend(self._hasher.hash_packed(tokens, done, full, parent, self._framer))
+        return full - done
+
+
+class PrecomputedHashes:
+    """The stand-in for :class:`HashedTokens` when the caller has hashes but no tokens.
+
+    Routers and trace replays know block hashes (and the prompt length), not token ids.
+    ``hashes`` must hold exactly one hash per full block: ``num_tokens // block_size``.
+    """
+
+    __slots__ = ("hashes", "num_tokens")
+
+    def __init__(self, hashes: Iterable[BlockHash], num_tokens: int, block_size: int):
+        self.hashes = validate_block_hashes(hashes)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+            raise InvalidBlockHashError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
+        self.num_tokens = int(num_tokens)
+        if len(self.hashes) != self.num_tokens // block_size:
+            raise InvalidBlockHashError(
+                f"{len(self.hashes)} block hashes given for {self.num_tokens} tokens; block size "
+                f"{block_size} needs exactly {self.num_tokens // block_size} (one per full block)"
+            )
+
+    @property
+    def token_ids(self) -> None:
+        return None
+
+    def extend(self, token_ids: Iterable[int]) -> int:
+        raise SequenceStateError("sequence was registered by block hashes; token ids cannot be appended")
+
+    def extend_packed(self, packed: array[int]) -> int:
+        return self.extend(packed)
+
+
+def block_hashes(
+    token_ids: Iterable[int],
+    block_size: int,
+    *,
+    scheme: str = DEFAULT_SCHEME,
+    namespace: str | Namespace = "default",
+    extras: BlockExtras | None = None,
+) -> list[BlockHash]:
+    """Chained hashes of the full blocks of ``token_ids``, in order.
+
+    >>> len(block_hashes(list(range(40)), 16))  # 2 full blocks, 8 tokens left over
+    2
+    >>> block_hashes([1, 2, 3], 16)  # no full block, no hash
+    []
+    """
+    if type(block_size) is not int:  # before the cache, where 2.0 and True would pass for 2 and 1
+        block_size = _check_index(block_size, "block_size", minimum=1)
+    try:
+        hasher = _hasher(block_size, scheme, namespace)
+    except TypeError:  # an unhashable argument reached the cache
+        hasher = BlockHasher(block_size, scheme, namespace)
+    return hasher.hash_tokens(token_ids, extras)
+
+
+@lru_cache(maxsize=64)
+def _hasher(block_size: int, scheme: str, namespace: str | Namespace) -> BlockHasher:
+    return BlockHasher(block_size, scheme, namespace)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -822,17 +822,25 @@ def manager_for_role(
     disagg: DisaggConfig | None = None,
     *,
     tiers: TierConfig | None = None,
+    groups: Sequence[object] = (),
     event_sink: EventSink | None = None,
 ) -> KVCacheManager:
-    """The manager for a node's role, over host/storage tiers when ``tiers`` is given.
+    """The manager for a node: its role, over host/storage tiers when ``tiers`` is given, with the layer
+    ``groups`` beside full attention when the model is hybrid.
 
-    ========  ====================  ===========================
-    role      no tiers              tiers
-    ========  ====================  ===========================
-    mixed     ``KVCacheManager``    ``TieredKVCacheManager``
-    prefill   ``PrefillManager``    ``TieredPrefillManager``
-    decode    ``DecodeManager``     ``TieredDecodeManager``
-    ========  ====================  ===========================
+    ``groups`` lists :class:`~kvblocks.hybrid.LocalGroup` s, then :class:`~kvblocks.hybrid.RecurrentGroup` s,
+    then :class:`~kvblocks.hybrid.CrossAttentionGroup` s (their group numbers 1, 2, ... follow that order).
+
+    ========  ===================  ===========================  ================================
+    role      one group            one group, tiers             hybrid (no tiers / tiers)
+    ========  ===================  ===========================  ================================
+    mixed     ``KVCacheManager``   ``TieredKVCacheManager``     ``HybridKVCacheManager`` /
+                                                                ``TieredHybridKVCacheManager``
+    prefill   ``PrefillManager``   ``TieredPrefillManager``     ``HybridPrefillManager`` /
+                                                                ``TieredHybridPrefillManager``
+    decode    ``DecodeManager``    ``TieredDecodeManager``      ``HybridDecodeManager`` /
+                                                                ``TieredHybridDecodeManager``
+    ========  ===================  ===========================  ================================
 
     >>> type(manager_for_role(CacheConfig(64, 16), DisaggConfig(role="prefill"))).__name__
     'PrefillManager'
@@ -842,6 +850,13 @@ def manager_for_role(
         raise ConfigError(f"disagg must be a DisaggConfig, got {type(disagg).__name__}")
     if tiers is not None and not isinstance(tiers, TierConfig):
         raise ConfigError(f"tiers must be a TierConfig or None, got {type(tiers).__name__}")
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+        raise ConfigError(f"groups must be a sequence of layer groups, got {type(groups).__name__}")
+    if groups:
+        # the hybrid wing is loaded only for a hybrid model: `import kvblocks` stays light
+        from kvblocks.hybrid.roles import hybrid_manager_for_role
+
+        return hybrid_manager_for_role(config, disagg, tiers=tiers, groups=groups, event_sink=event_sink)
     if disagg.role == "decode":
         if tiers is not None:
             return TieredDecodeManager.from_config(config, tiers=tiers, disagg=disagg, event_sink=event_sink)

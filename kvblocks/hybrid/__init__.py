@@ -12,7 +12,12 @@ from typing import Any
 
 from kvblocks.hybrid.block_index import FlatBlockIndex
 from kvblocks.hybrid.cross import CrossAttentionGroup
-from kvblocks.hybrid.disagg import HybridDecodeManager, HybridPrefillManager
+from kvblocks.hybrid.disagg import (
+    HybridDecodeManager,
+    HybridPrefillManager,
+    TieredHybridDecodeManager,
+    TieredHybridPrefillManager,
+)
 from kvblocks.hybrid.hits import GroupHitRule, hit_step, longest_common_hit, longest_group_hit, needed_blocks
 from kvblocks.hybrid.layout import (
     ATTENTION_KINDS,
@@ -54,7 +59,9 @@ __all__ = [
     "StateCopy",
     "StatePool",
     "StateTensor",
+    "TieredHybridDecodeManager",
     "TieredHybridKVCacheManager",
+    "TieredHybridPrefillManager",
     "apply_state_plan",
     "held_blocks",
     "hit_step",

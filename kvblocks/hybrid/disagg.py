@@ -38,9 +38,11 @@ from kvblocks.events import EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, Namespace
 from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup, _Local
 from kvblocks.hybrid.recurrent import RecurrentGroup
+from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
 from kvblocks.manager import _Sequence
+from kvblocks.tiers.config import TierConfig
 
-__all__ = ["HybridDecodeManager", "HybridPrefillManager"]
+__all__ = ["HybridDecodeManager", "HybridPrefillManager", "TieredHybridDecodeManager", "TieredHybridPrefillManager"]
 
 
 def _local_groups(manager: HybridKVCacheManager) -> list[_Local]:
@@ -187,8 +189,8 @@ class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
         for local, _, found in plans:  # every kept block held before any group takes (and maybe evicts)
             local.pool._acquire_valid(b for b in found if b is not None)
         out: list[tuple[list[int], list[tuple[int, int]]]] = []
-        for (local, first, found), group in zip(plans, handoff.groups[: len(plans)], strict=True):
-            new = iter(local.take(found.count(None)))
+        for number, ((local, first, found), group) in enumerate(zip(plans, handoff.groups[: len(plans)], strict=True)):
+            new = iter(self._take_local(number, found.count(None)))  # through the tiers: evictions are written back
             table: list[int] = [PLACEHOLDER] * first
             moves: list[tuple[int, int]] = []
             for position, block in enumerate(found, first):
@@ -208,4 +210,64 @@ class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
         """A sequence still receiving its prompt holds the windows at the prompt's end already."""
         if any(self._seqs.get(seq_id) is s for seq_id in self._receiving):
             return max(s.num_committed, s.content.num_tokens)
-        return s.num_committed
+        return super()._window_tokens(s)  # a tiered node's pending re-admission places them at its hit
+
+
+class TieredHybridPrefillManager(HybridPrefillManager, TieredHybridKVCacheManager):
+    """The prefill role over a hybrid manager with host and storage tiers.
+
+    Admissions find every group's prefix on device, in that group's host tier or its storage, as on a
+    tiered hybrid mixed node; the handoff describes every group's table as :class:`HybridPrefillManager`'s.
+    Blocks being handed off stay held in every group, and are freed into the tiers by ``transfer_done``.
+    Build it with :func:`kvblocks.manager_for_role` (or its ``from_config``).
+    """
+
+
+class TieredHybridDecodeManager(HybridDecodeManager, TieredHybridKVCacheManager):
+    """The decode role over a hybrid manager with host and storage tiers.
+
+    Handoffs are matched against every group's device cache only; the blocks a handoff's admission
+    evicts (in any group) are written back through that group's tiers, so run the step's plan
+    (``take_transfers`` ... ``complete_transfers``) before the transferred KV is written. What the node
+    decodes goes down the tiers as on any tiered hybrid node.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        tiers: TierConfig,
+        local_groups: Sequence[LocalGroup] = (),
+        recurrent_groups: Sequence[RecurrentGroup] = (),
+        reserve_blocks_per_sequence: int = 1,
+        event_sink: EventSink | None = None,
+    ) -> None:
+        TieredHybridKVCacheManager.__init__(
+            self,
+            num_blocks,
+            block_size,
+            tiers=tiers,
+            local_groups=local_groups,
+            recurrent_groups=recurrent_groups,
+            event_sink=event_sink,
+        )
+        self._set_role(DisaggConfig(role="decode", reserve_blocks_per_sequence=reserve_blocks_per_sequence))
+
+    @classmethod
+    def from_config(  # type: ignore[override]
+        cls,
+        config: CacheConfig,
+        *,
+        tiers: TierConfig,
+        local_groups: Sequence[LocalGroup] = (),
+        recurrent_groups: Sequence[RecurrentGroup] = (),
+        disagg: DisaggConfig | None = None,
+        event_sink: EventSink | None = None,
+    ) -> TieredHybridDecodeManager:
+        manager = cls.__new__(cls)
+        manager._setup(config, event_sink)
+        manager._setup_groups(local_groups, recurrent_groups)
+        manager._setup_tiers(tiers)
+        manager._set_role(disagg or DisaggConfig(role="decode"))
+        return manager

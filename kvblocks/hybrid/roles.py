@@ -1,0 +1,87 @@
+"""The manager of a hybrid model for a node's role and tiers (what :func:`kvblocks.manager_for_role` builds)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvblocks.config import CacheConfig
+from kvblocks.disagg import DisaggConfig
+from kvblocks.errors import ConfigError
+from kvblocks.events import EventSink
+from kvblocks.hybrid.cross import CrossAttentionGroup
+from kvblocks.hybrid.disagg import (
+    HybridDecodeManager,
+    HybridPrefillManager,
+    TieredHybridDecodeManager,
+    TieredHybridPrefillManager,
+)
+from kvblocks.hybrid.manager import HybridKVCacheManager, LocalGroup
+from kvblocks.hybrid.recurrent import RecurrentGroup
+from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
+from kvblocks.manager import KVCacheManager
+from kvblocks.tiers.config import TierConfig
+
+__all__ = ["hybrid_manager_for_role", "split_groups"]
+
+_ORDER = (LocalGroup, RecurrentGroup, CrossAttentionGroup)
+
+
+def split_groups(
+    groups: Sequence[object],
+) -> tuple[list[LocalGroup], list[RecurrentGroup], list[CrossAttentionGroup]]:
+    """The local, recurrent and cross-attention groups of ``groups``, which must come in that order (it is
+    their group numbering: 1, 2, ... after full attention)."""
+    split: tuple[list[LocalGroup], list[RecurrentGroup], list[CrossAttentionGroup]] = ([], [], [])
+    rank = 0
+    for number, group in enumerate(groups, 1):
+        kinds = [i for i, kind in enumerate(_ORDER) if isinstance(group, kind)]
+        if not kinds:
+            raise ConfigError(
+                f"group {number} is a {type(group).__name__}; a layer group is a LocalGroup, RecurrentGroup or "
+                "CrossAttentionGroup"
+            )
+        if kinds[0] < rank:
+            raise ConfigError(
+                "groups come in group order: local groups, then recurrent groups, then cross-attention groups"
+            )
+        rank = kinds[0]
+        split[rank].append(group)  # type: ignore[arg-type]
+    return split
+
+
+def hybrid_manager_for_role(
+    config: CacheConfig,
+    disagg: DisaggConfig,
+    *,
+    tiers: TierConfig | None,
+    groups: Sequence[object],
+    event_sink: EventSink | None,
+) -> KVCacheManager:
+    """See :func:`kvblocks.manager_for_role`."""
+    local, recurrent, cross = split_groups(groups)
+    if disagg.role != "mixed" and cross:
+        raise ConfigError("a handoff does not carry cross-attention groups (the decode node runs the encoder)")
+    if tiers is not None and cross:
+        raise ConfigError("tiers serve sliding-window and chunked-local groups; cross-attention groups have none")
+    if disagg.role == "decode":
+        if tiers is not None:
+            return TieredHybridDecodeManager.from_config(
+                config,
+                tiers=tiers,
+                local_groups=local,
+                recurrent_groups=recurrent,
+                disagg=disagg,
+                event_sink=event_sink,
+            )
+        return HybridDecodeManager.from_config(
+            config, local_groups=local, recurrent_groups=recurrent, disagg=disagg, event_sink=event_sink
+        )
+    role: type[HybridKVCacheManager] = HybridPrefillManager if disagg.role == "prefill" else HybridKVCacheManager
+    if tiers is not None:
+        tiered = TieredHybridPrefillManager if disagg.role == "prefill" else TieredHybridKVCacheManager
+        return tiered.from_config(
+            config, tiers=tiers, local_groups=local, recurrent_groups=recurrent, event_sink=event_sink
+        )
+    return role.from_config(
+        config, local_groups=local, recurrent_groups=recurrent, cross_groups=cross, event_sink=event_sink
+    )

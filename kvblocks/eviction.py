@@ -37,6 +37,8 @@ __all__ = [
     "PolicyFactory",
     "check_eviction",
     "make_policy",
+    "register_eviction_policy",
+    "unregister_eviction_policy",
 ]
 
 DEFAULT_EVICTION = "lru"
@@ -400,8 +402,32 @@ class S3FIFO(MutableMapping[int, float]):
             raise IntegrityError(f"{len(self._ghost)} ghosts, more than {self.ghost_size}")
 
 
-EVICTION_POLICIES: Mapping[str, PolicyFactory] = MappingProxyType({"lru": LRU, "s3fifo": S3FIFO})
-"""Eviction policies by name: a new policy is one class and one entry here."""
+_POLICIES: dict[str, PolicyFactory] = {"lru": LRU, "s3fifo": S3FIFO}
+_BUILT_IN = frozenset(_POLICIES)
+
+EVICTION_POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(_POLICIES)
+"""Eviction policies by name (read-only): a new policy is one class and one entry here, or
+:func:`register_eviction_policy` from outside the package."""
+
+
+def register_eviction_policy(name: str, factory: PolicyFactory) -> None:
+    """Make ``factory`` (a policy class: ``factory(num_blocks, keys)``) selectable as ``name`` wherever a
+    policy is named (``CacheConfig.eviction``, ``TierConfig.host_eviction``, ``--eviction``). New names only."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ConfigError(f"an eviction policy's name is a non-empty str without ':', got {name!r}")
+    if not callable(factory):
+        raise ConfigError(f"an eviction policy factory must be callable, got {type(factory).__name__}")
+    if name in _POLICIES:
+        raise ConfigError(f"eviction policy {name!r} is already registered")
+    _POLICIES[name] = factory
+
+
+def unregister_eviction_policy(name: str) -> None:
+    """Forget a policy added by :func:`register_eviction_policy` (the built-in ones stay)."""
+    if name in _BUILT_IN:
+        raise ConfigError(f"eviction policy {name!r} is built in")
+    if _POLICIES.pop(name, None) is None:
+        raise ConfigError(f"unknown eviction policy {name!r}")
 
 
 def _split(spec: object, what: str) -> tuple[str, str | None]:

@@ -16,9 +16,12 @@ before the admission (0 by default: a text-only request to a vision model holds 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvblocks.errors import ConfigError, IntegrityError
+from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
 
 __all__ = ["CrossAttentionGroup"]
@@ -54,9 +57,16 @@ class _Cross:
     def blocks_for(self, encoder_tokens: int) -> int:
         return -(-encoder_tokens // self.block_size)
 
-    def admit(self, key: int, encoder_tokens: int) -> None:
+    def admission(
+        self, hashes: Sequence[BlockHash], hits: int, total: int, hit_tokens: int, encoder: int
+    ) -> tuple[int, Any] | None:
+        """The group's part of an admission (see :class:`~kvblocks.hybrid.local.LocalGroupManager`): the
+        blocks the sequence's encoder tokens lack (a hit needs nothing here)."""
+        return self.blocks_for(encoder) - self.pool.num_free, encoder
+
+    def take_admission(self, key: int, hits: int, total: int, hit_tokens: int, prepared: Any) -> None:
         """Take the sequence's blocks (the caller checked there is room: every free block is fresh here)."""
-        self.tables[key] = self.pool.take_fresh(self.blocks_for(encoder_tokens))
+        self.tables[key] = self.pool.take_fresh(self.blocks_for(prepared))
 
     def release(self, key: int) -> None:
         self.pool._release_valid(reversed(self.tables.pop(key)))

@@ -36,7 +36,8 @@ from kvblocks.disagg import (
 from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, Namespace
-from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup, _Local
+from kvblocks.hybrid.local import PLACEHOLDER, LocalGroup, LocalGroupManager
+from kvblocks.hybrid.manager import HybridKVCacheManager
 from kvblocks.hybrid.recurrent import RecurrentGroup
 from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
 from kvblocks.manager import _Sequence
@@ -45,7 +46,7 @@ from kvblocks.tiers.config import TierConfig
 __all__ = ["HybridDecodeManager", "HybridPrefillManager", "TieredHybridDecodeManager", "TieredHybridPrefillManager"]
 
 
-def _local_groups(manager: HybridKVCacheManager) -> list[_Local]:
+def _local_groups(manager: HybridKVCacheManager) -> list[LocalGroupManager]:
     """The manager's local groups; refuses a layout with groups a handoff cannot carry (cross-attention)."""
     locals_ = manager._locals
     if manager._crosses:
@@ -55,8 +56,8 @@ def _local_groups(manager: HybridKVCacheManager) -> list[_Local]:
     return locals_
 
 
-def _kind(local: _Local) -> str:
-    return local.rule.kind
+def _kind(local: LocalGroupManager) -> str:
+    return local.kind.name
 
 
 class HybridPrefillManager(PrefillManager, HybridKVCacheManager):
@@ -178,7 +179,7 @@ class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
         prompt = handoff.num_prompt_tokens
         total = math.ceil(prompt / self._block_size)
         hashes = s.content.hashes
-        plans: list[tuple[_Local, int, list[int | None]]] = []
+        plans: list[tuple[LocalGroupManager, int, list[int | None]]] = []
         for local in self._locals:
             first = local.first_needed(prompt)
             found = [local.index.block_of(hashes[p]) if p < hits else None for p in range(first, total)]

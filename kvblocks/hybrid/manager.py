@@ -35,116 +35,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from functools import partial
 
 from kvblocks.config import CacheConfig
-from kvblocks.core.groups import GROUP_KIND_RULES, kind_rules
+from kvblocks.core.groups.protocol import GroupManager
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, SequenceStateError, StaleLookupError
 from kvblocks.events import BlockStored, EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
-from kvblocks.hybrid.block_index import FlatBlockIndex
 from kvblocks.hybrid.cross import CrossAttentionGroup, _Cross
-from kvblocks.hybrid.hits import GroupHitRule, longest_common_hit, longest_group_hit, needed_blocks
+from kvblocks.hybrid.hits import longest_common_hit, longest_group_hit, needed_blocks
+from kvblocks.hybrid.local import PLACEHOLDER, LocalGroup, LocalGroupManager
 from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy, _Recurrent
 from kvblocks.manager import _NEVER, KVCacheManager, _count_arg, _Sequence
 from kvblocks.pool import BlockPool
 
 __all__ = ["PLACEHOLDER", "HybridKVCacheManager", "LocalGroup"]
-
-PLACEHOLDER = -1
-"""A local group's table entry for a position that left the window (the block was released)."""
-
-
-@dataclass(frozen=True)
-class LocalGroup:
-    """One sliding-window or chunked-local layer group: its kind, window or chunk (tokens), and pool size.
-
-    ``block_size`` (None: the manager's) must be a multiple of the manager's block size, the size the
-    hash chain is cut at: a group block of ``r`` chain blocks is cached under the hash of its last one::
-
-        manager block size 4, group block size 8 (r = 2)
-        chain hashes     h0   h1   h2   h3          tokens 0..15
-        group blocks     [ b0: h1 ] [ b1: h3 ]
-    """
-
-    kind: str
-    span: int
-    num_blocks: int
-    block_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if not kind_rules(self.kind).releases:
-            local = ", ".join(repr(name) for name, rules in GROUP_KIND_RULES.items() if rules.releases)
-            raise ConfigError(f"a local group is one of {local}, got {self.kind!r}")
-        for what in ("span", "num_blocks", "block_size"):
-            value = getattr(self, what)
-            if what == "block_size" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"a local group's {what} must be a positive int, got {value!r}")
-
-
-class _EveryNth(Sequence[BlockHash]):
-    """Chain hashes ``r - 1, 2r - 1, ...``: the keys of a group whose blocks are ``r`` chain blocks long."""
-
-    __slots__ = ("_hashes", "_ratio")
-
-    def __init__(self, hashes: Sequence[BlockHash], ratio: int) -> None:
-        self._hashes = hashes
-        self._ratio = ratio
-
-    def __len__(self) -> int:
-        return len(self._hashes) // self._ratio
-
-    def __getitem__(self, position: int) -> BlockHash:  # type: ignore[override]
-        if position < 0:
-            raise IndexError(position)  # only the manager reads it, with group positions >= 0
-        return self._hashes[(position + 1) * self._ratio - 1]
-
-
-class _Local:
-    """A local group's state: its rule, pool, index and the tables of admitted sequences."""
-
-    __slots__ = ("block_size", "index", "kind", "pool", "ratio", "released", "rule", "span", "tables")
-
-    def __init__(self, group: LocalGroup, chain_block_size: int, number: int, events: EventSink | None) -> None:
-        block_size = group.block_size or chain_block_size
-        if block_size % chain_block_size:
-            raise ConfigError(
-                f"a local group's block_size {block_size} must be a multiple of the manager's {chain_block_size}"
-            )
-        self.rule = GroupHitRule(group.kind, block_size, group.span)  # type: ignore[arg-type]
-        self.kind = self.rule.kind_rules  # the window formulas, once, in the kind
-        self.span = group.span
-        self.block_size = block_size
-        self.ratio = block_size // chain_block_size  # chain blocks per group block
-        self.pool = BlockPool(group.num_blocks)
-        self.index = FlatBlockIndex(self.pool, events=events, group=number, group_kind=self.kind.event_name)
-        self.tables: dict[int, list[int]] = {}  # id(_Sequence) -> table
-        self.released: dict[int, int] = {}  # id(_Sequence) -> leading positions already released
-
-    def keys(self, hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
-        """The group's block keys: position ``p`` -> the chain hash its block ends with."""
-        return hashes if self.ratio == 1 else _EveryNth(hashes, self.ratio)
-
-    def blocks_for(self, chain_blocks: int) -> int:
-        """The group's table length when the full-attention table has ``chain_blocks`` blocks."""
-        return -(-chain_blocks // self.ratio)
-
-    def first_needed(self, next_token: int) -> int:
-        """The first block position any token from ``next_token`` on attends to (its window's or chunk's start)."""
-        return self.kind.first_needed(next_token, self.block_size, self.span)
-
-    def next_move(self, next_token: int) -> int:
-        """The smallest token count from which :meth:`first_needed` may exceed its value at ``next_token``."""
-        return self.kind.next_move(next_token, self.block_size, self.span)
-
-    def take(self, count: int) -> list[int]:
-        pool = self.pool
-        short = count - pool.num_fresh
-        if short > 0:
-            self.index.evict(short)
-        return pool.take_fresh(count)
 
 
 class HybridKVCacheManager(KVCacheManager):
@@ -224,11 +129,18 @@ class HybridKVCacheManager(KVCacheManager):
             )
         size = self._block_size
         events = self._tree.events
-        self._locals = [_Local(g, size, number, events) for number, g in enumerate(locals_, 1)]
+        self._locals = [LocalGroupManager(g, size, number, events) for number, g in enumerate(locals_, 1)]
+        for index, local in enumerate(self._locals):  # new blocks through the manager's hook (tiers write back)
+            local.take_blocks = partial(self._take_local, index)
         first = 1 + len(locals_)
         self._recurrents = [_Recurrent(g, first + i, size, events) for i, g in enumerate(recurrents)]
         first = 1 + len(locals_) + len(recurrents)
         self._crosses = [_Cross(g, first + i, size) for i, g in enumerate(crosses)]
+        self._groups: list[GroupManager] = [*self._locals, *self._recurrents, *self._crosses]  # group order
+        self._committing: list[LocalGroupManager | _Recurrent] = [
+            *self._locals,
+            *self._recurrents,
+        ]  # a commit caches in
         self._encoder_tokens: dict[int, int] = {}  # id(_Sequence) -> encoder tokens, for sequences with any
         self._kinds = (
             "full",
@@ -422,10 +334,9 @@ class HybridKVCacheManager(KVCacheManager):
                 window = needed_blocks(local.rule, limit)  # the group holds the whole window below the limit
                 if all(map(local.index._block_of.__contains__, hashes[window.start : window.stop])):
                     return limit
-            keys = local.keys(hashes)
-            return longest_group_hit(local.rule, limit, self._hit_step, _indexed(local.index, keys))
+            return longest_group_hit(local.rule, limit, self._hit_step, local.served(hashes))
         rules = [local.rule for local in locals_]
-        answers = [_indexed(local.index, local.keys(hashes)) for local in locals_]
+        answers = [local.served(hashes) for local in locals_]
         for recurrent in self._recurrents:
             rules.append(recurrent.rule)
             answers.append(_checkpointed(recurrent, hashes))
@@ -451,71 +362,39 @@ class HybridKVCacheManager(KVCacheManager):
         size = self._block_size
         if s.table is not None:
             total = (s.num_covered + num_new_tokens + num_lookahead_tokens + size - 1) // size
-            for local in self._locals:
-                need = local.blocks_for(total) - len(local.tables[id(s)])
-                short = max(short, need - local.pool.num_free)
-            return max(short, 0)
+            key = id(s)
+            return max(short, 0, *(local.growth_short(key, total) for local in self._locals))
         hit = self._hit_blocks(s)
         total = (hit * size + num_new_tokens + num_lookahead_tokens + size - 1) // size
-        for local in self._locals:
-            kept = self._local_hit(local, s, hit) or []
-            need = local.blocks_for(total) - hit // local.ratio
-            short = max(short, need - (local.pool.num_free - local.pool.count_idle(kept)))
-        if any(not r.free_slots for r in self._recurrents):
-            short = max(short, 1)  # no running slot: counted as one block short, so preempting one sequence helps
-        encoder = self._encoder_tokens.get(id(s), 0)
-        for cross in self._crosses:
-            short = max(short, cross.blocks_for(encoder) - cross.pool.num_free)
+        for answer in self._group_answers(s, hit, total):
+            if answer is not None:
+                short = max(short, answer[0])
         return max(0, short)
 
-    def _local_hit(self, local: _Local, s: _Sequence, hit: int) -> list[int] | None:
-        """The blocks of ``local`` a hit of ``hit`` blocks keeps (those its window needs there), or None
-        when the group does not hold them all."""
-        window = needed_blocks(local.rule, hit * self._block_size)
-        block_of = local.index._block_of.get  # the package's own index, read directly on the admission path
-        if local.ratio == 1:  # keys are the chain's hashes: one C-level pass over the window
-            kept = list(map(block_of, s.content.hashes[window.start : window.stop]))
-        else:
-            keys = local.keys(s.content.hashes)
-            kept = [block_of(keys[p]) for p in window]
-        return None if None in kept else kept  # type: ignore[return-value]
+    def _group_answers(self, s: _Sequence, hits: int, total: int) -> list[tuple[int, object] | None]:
+        """Every group's answer to an admission of ``hits`` cached blocks growing to ``total`` (see
+        :class:`~kvblocks.core.groups.protocol.GroupManager`). Pure."""
+        hashes = s.content.hashes
+        tokens = hits * self._block_size
+        encoder = self._encoder_tokens.get(id(s), 0)
+        return [group.admission(hashes, hits, total, tokens, encoder) for group in self._groups]
 
     def _admit_beside(self, seq_id: Hashable, s: _Sequence, hits: int, need: int) -> bool:
-        """Each local group keeps the window blocks the hit needs and takes ``need`` new ones, and each
-        recurrent group gives a slot holding the state at the hit -- or no group changes."""
-        found = [self._local_hit(local, s, hits) for local in self._locals]
-        hashes = s.content.hashes
-        hit_tokens = hits * self._block_size
-        slots = [recurrent.can_admit(hashes, hit_tokens) for recurrent in self._recurrents]
-        if None in found or None in slots:  # only when the caller named a shorter hit than every group serves
-            raise StaleLookupError(
-                f"sequence {seq_id!r}: a group no longer holds what the {hit_tokens}-token hit seen needs"
-            )
-        if not all(slots):
-            return False
-        encoder = self._encoder_tokens.get(id(s), 0)
-        if any(cross.blocks_for(encoder) > cross.pool.num_free for cross in self._crosses):
-            return False
-        kept: list[list[int]] = found  # type: ignore[assignment]
+        """Two phases: every group says what it lacks for the hit (raising :class:`StaleLookupError` when one
+        no longer serves it), then -- only when none lacks anything -- every group takes."""
         total = hits + need
-        for local, blocks in zip(self._locals, kept, strict=True):
-            if local.blocks_for(total) - hits // local.ratio > local.pool.num_free - local.pool.count_idle(blocks):
-                return False
-        for recurrent in self._recurrents:
-            recurrent.admit(id(s), hashes, hit_tokens)
-        for cross in self._crosses:
-            cross.admit(id(s), encoder)
-        for number, (local, blocks) in enumerate(zip(self._locals, kept, strict=True)):
-            local.pool._acquire_valid(blocks)
-            cached = hits // local.ratio  # a hit ends on a boundary of every group (hit_step)
-            first = cached - len(blocks)
-            table = [PLACEHOLDER] * first + blocks
-            new = local.blocks_for(total) - cached
-            if new:
-                table += self._take_local(number, new)
-            local.tables[id(s)] = table
-            local.released[id(s)] = first
-        self._watch(s, hits * self._block_size)
+        answers = self._group_answers(s, hits, total)
+        if None in answers:  # only when the caller named a shorter hit than every group serves
+            raise StaleLookupError(
+                f"sequence {seq_id!r}: a group no longer holds what the {hits * self._block_size}-token hit seen needs"
+            )
+        if any(answer[0] > 0 for answer in answers):  # type: ignore[index]
+            return False
+        key = id(s)
+        tokens = hits * self._block_size
+        for group, answer in zip(self._groups, answers, strict=True):
+            group.take_admission(key, hits, total, tokens, answer[1])  # type: ignore[index]
+        self._watch(s, tokens)
         return True
 
     def _take_local(self, index: int, count: int) -> list[int]:
@@ -527,25 +406,15 @@ class HybridKVCacheManager(KVCacheManager):
             return False
         total = len(s.table) + need  # type: ignore[arg-type]
         key = id(s)
-        for local in self._locals:
-            grow = (total if local.ratio == 1 else local.blocks_for(total)) - len(local.tables[key])
-            if grow > local.pool.num_free:
-                return False
-        return True
+        return all(local.growth_short(key, total) <= 0 for local in self._locals)
 
     def _grow(self, s: _Sequence, covered: int, lookahead: int) -> bool:
         if not super()._grow(s, covered, lookahead):
             return False
         total = len(s.table)  # type: ignore[arg-type]
-        for number, local in enumerate(self._locals):
-            table = local.tables[id(s)]
-            after = local.blocks_for(total)
-            if after > len(table):
-                table += self._take_local(number, after - len(table))
-            elif after < len(table):  # a smaller lookahead: the surplus tail goes back, as in the full table
-                surplus = table[after:]
-                del table[after:]
-                local.pool._release_valid(reversed(surplus))
+        key = id(s)
+        for local in self._locals:
+            local.resize(key, total)
         return True
 
     # ------------------------------------------------------------------ commit and release
@@ -553,35 +422,16 @@ class HybridKVCacheManager(KVCacheManager):
     def _commit(self, s: _Sequence, n: int) -> None:
         size = self._block_size
         before = s.num_committed
-        start = before // size
         full = n // size
-        if full > start or n > s.num_covered:
+        if full > before // size or n > s.num_covered:
             super()._commit(s, n)
         else:
             s.num_committed = n  # no block newly full: nothing to cache in any group
+        cache = full > before // size and self._caching
         key = id(s)
-        cache = full > start and self._caching
-        if cache and self._recurrents:
-            for recurrent in self._recurrents:
-                recurrent.committed(key, s.content.hashes, n)
-        for local in self._locals:
-            table = local.tables[key]
-            released = local.released
-            done = released[key]
-            if cache:  # a duplicate stays private; released positions are never indexed
-                group_size = local.block_size
-                first_new = before // group_size
-                local.index.insert_run(
-                    local.keys(s.content.hashes), table, first_new if first_new > done else done, n // group_size
-                )
-            first = local.first_needed(n)
-            if first > done:  # release what no token from n on attends to (cached if committed)
-                leaving = table[done:first]  # blocks from `done` on (check_integrity), unless a role cut it back
-                if PLACEHOLDER in leaving:
-                    leaving = [b for b in leaving if b != PLACEHOLDER]
-                local.pool._release_valid(leaving)  # oldest first: they leave the window in that order
-                table[done:first] = [PLACEHOLDER] * (first - done)
-                released[key] = first
+        hashes = s.content.hashes
+        for group in self._committing:
+            group.committed(key, hashes, before, n, cache)
         self._watch(s, n)
 
     def _watch(self, s: _Sequence, n: int) -> None:
@@ -595,17 +445,8 @@ class HybridKVCacheManager(KVCacheManager):
     def _release(self, s: _Sequence) -> None:
         if s.table is not None:
             key = id(s)
-            for local in self._locals:
-                table = local.tables.pop(key)
-                held = table[local.released.pop(key) :]  # positions before are released (placeholders)
-                if PLACEHOLDER in held:
-                    held = [b for b in held if b != PLACEHOLDER]
-                held.reverse()  # tail first
-                local.pool._release_valid(held)
-            for recurrent in self._recurrents:
-                recurrent.release(id(s))
-            for cross in self._crosses:
-                cross.release(id(s))
+            for group in self._groups:
+                group.release(key)
         super()._release(s)
 
     def reset_prefix_cache(self) -> bool:
@@ -644,36 +485,14 @@ class HybridKVCacheManager(KVCacheManager):
         a tiered manager's in-flight copies)."""
 
     def check_integrity(self) -> None:
-        """The base checks, and per local group: pool and index agree, references equal the tables,
-        every table is as long as the full one, and no block outside the window is held."""
+        """The base checks, then every group's own (see each group's ``check_integrity``)."""
         super().check_integrity()
-        for number, local in enumerate(self._locals, 1):
-            local.pool.check_integrity()
-            local.index.check_integrity()
-            expected = [0] * local.pool.num_blocks
-            live = {id(s): (seq_id, s) for seq_id, s in self._seqs.items() if s.table is not None}
-            if set(local.tables) != set(live):
-                raise IntegrityError(f"group {number} has tables for other sequences than the admitted ones")
-            for key, table in local.tables.items():
-                seq_id, s = live[key]
-                if len(table) != local.blocks_for(len(s.table)):  # type: ignore[arg-type]
-                    raise IntegrityError(f"group {number}: {seq_id!r}'s table has {len(table)} positions")
-                first = local.first_needed(self._window_tokens(s))
-                for position, block in enumerate(table):
-                    if block == PLACEHOLDER:
-                        if position >= first:
-                            raise IntegrityError(f"group {number}: {seq_id!r} lost position {position} in its window")
-                        continue
-                    if position < first:
-                        raise IntegrityError(f"group {number}: {seq_id!r} holds position {position} outside its window")
-                    expected[block] += 1
-            self._count_other_local_holders(number - 1, expected)
-            for block in range(local.pool.num_blocks):
-                if local.pool.ref_count(block) != expected[block]:
-                    raise IntegrityError(f"group {number}: block {block} has {local.pool.ref_count(block)} references")
-        admitted = {id(s) for s in self._seqs.values() if s.table is not None}
+        admitted = {id(s): (seq_id, s) for seq_id, s in self._seqs.items() if s.table is not None}
+        live = {key: (seq_id, len(s.table), self._window_tokens(s)) for key, (seq_id, s) in admitted.items()}  # type: ignore[arg-type]
+        for index, local in enumerate(self._locals):
+            local.check_integrity(live, partial(self._count_other_local_holders, index))
         for recurrent in self._recurrents:
-            recurrent.check_integrity(admitted)
+            recurrent.check_integrity(set(admitted))
         encoder = {key: self._encoder_tokens.get(key, 0) for key in admitted}
         for cross in self._crosses:
             cross.check_integrity(encoder)
@@ -684,14 +503,3 @@ class HybridKVCacheManager(KVCacheManager):
 def _checkpointed(recurrent: _Recurrent, hashes: Sequence[BlockHash]) -> Callable[[int], bool]:
     """Whether ``recurrent`` has a findable checkpoint at token ``hit``."""
     return lambda hit: recurrent.checkpoint_at(hashes, hit) is not None
-
-
-def _indexed(index: FlatBlockIndex, hashes: Sequence[BlockHash]) -> Callable[[int], bool]:
-    """Whether block position ``p`` is cached in ``index`` (a hash past the known ones never is)."""
-    count = len(hashes)
-    block_of = index._block_of  # the package's own index: read its table directly on this hot path
-
-    def cached(position: int) -> bool:
-        return position < count and hashes[position] in block_of
-
-    return cached

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.events import EventSink
@@ -151,15 +152,29 @@ class _Recurrent:
         else:
             self.ops.append(StateCopy(self.number, None, slot))  # stale bytes of another state look like NaN
 
+    def admission(
+        self, hashes: Sequence[BlockHash], hits: int, total: int, hit_tokens: int, encoder: int
+    ) -> tuple[int, Any] | None:
+        """The group's part of an admission (see :class:`~kvblocks.hybrid.local.LocalGroupManager`): None when
+        the hit has no checkpoint; else one "block" short when no slot is free (preempting one sequence helps)."""
+        ready = self.can_admit(hashes, hit_tokens)
+        if ready is None:
+            return None
+        return (0 if ready else 1), hashes
+
+    def take_admission(self, key: int, hits: int, total: int, hit_tokens: int, prepared: Any) -> None:
+        self.admit(key, prepared, hit_tokens)
+
     def receive(self, key: int) -> int:
         """Give a sequence a slot whose state arrives from elsewhere (a prefill node's handoff): no operation."""
         slot = self.free_slots.pop()
         self.slots[key] = slot
         return slot
 
-    def committed(self, key: int, hashes: Sequence[BlockHash], n: int) -> None:
-        """The sequence's running state is at token ``n``: plan a checkpoint if ``n`` is a checkpoint boundary."""
-        if n <= 0 or n % self.step:
+    def committed(self, key: int, hashes: Sequence[BlockHash], before: int, n: int, cache: bool) -> None:
+        """The sequence's running state is at token ``n``: plan a checkpoint if ``n`` is a checkpoint boundary
+        (and the commit caches: ``cache``)."""
+        if not cache or n <= 0 or n % self.step:
             return
         position = n // self.block_size - 1
         h = hashes[position]

@@ -53,7 +53,8 @@ from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, S
 from kvblocks.events import BlockStored, EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
 from kvblocks.hybrid.hits import longest_common_hit, needed_blocks
-from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup, _Local
+from kvblocks.hybrid.local import PLACEHOLDER, LocalGroup, LocalGroupManager
+from kvblocks.hybrid.manager import HybridKVCacheManager
 from kvblocks.hybrid.recurrent import RecurrentGroup
 from kvblocks.manager import BlockTable, _count_arg, _Sequence
 from kvblocks.tiers.config import TierConfig
@@ -962,7 +963,7 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
             self._check_local(number, local, plans)
             self._check_local_loads(number, local)
 
-    def _check_local_loads(self, number: int, local: _Local) -> None:
+    def _check_local_loads(self, number: int, local: LocalGroupManager) -> None:
         """Local group ``number``'s pending storage reads belong to pending admissions and fill their tables."""
         group = number + 1
         for (load_group, request), reader in self._group_loads.items():
@@ -991,7 +992,7 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
                 for block in order:
                     expected[block] += 1
 
-    def _check_local(self, number: int, local: _Local, plans: list[_HybridPlan]) -> None:
+    def _check_local(self, number: int, local: LocalGroupManager, plans: list[_HybridPlan]) -> None:
         """A local group's host tier and pending copies agree with the plans (its tables: the hybrid check)."""
         group = number + 1
         host = self._group_hosts[number]

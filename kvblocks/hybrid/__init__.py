@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvblocks.hybrid.block_index import FlatBlockIndex
-from kvblocks.hybrid.cross import CrossAttentionGroup
+from kvblocks.core.groups.block_index import FlatBlockIndex
+from kvblocks.core.groups.cross_group import CrossAttentionGroup
+from kvblocks.core.groups.hits import GroupHitRule, hit_step, longest_common_hit, longest_group_hit, needed_blocks
+from kvblocks.core.groups.recurrent_group import RecurrentGroup, StateCopy
 from kvblocks.hybrid.disagg import (
     HybridDecodeManager,
     HybridPrefillManager,
     TieredHybridDecodeManager,
     TieredHybridPrefillManager,
 )
-from kvblocks.hybrid.hits import GroupHitRule, hit_step, longest_common_hit, longest_group_hit, needed_blocks
 from kvblocks.hybrid.layout import (
     ATTENTION_KINDS,
     GROUP_KINDS,
@@ -33,7 +34,6 @@ from kvblocks.hybrid.layout import (
 )
 from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup
 from kvblocks.hybrid.presets import HYBRID_PRESETS, hybrid_preset
-from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy
 from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
 
 __all__ = [

@@ -26,6 +26,8 @@ import math
 from collections.abc import Sequence
 
 from kvblocks.config import CacheConfig
+from kvblocks.core.groups.local_group import PLACEHOLDER, LocalGroup, LocalGroupManager
+from kvblocks.core.groups.recurrent_group import RecurrentGroup
 from kvblocks.disagg import (
     DecodeManager,
     DisaggConfig,
@@ -36,9 +38,7 @@ from kvblocks.disagg import (
 from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, Namespace
-from kvblocks.hybrid.local import PLACEHOLDER, LocalGroup, LocalGroupManager
 from kvblocks.hybrid.manager import HybridKVCacheManager
-from kvblocks.hybrid.recurrent import RecurrentGroup
 from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
 from kvblocks.manager import _Sequence
 from kvblocks.tiers.config import TierConfig

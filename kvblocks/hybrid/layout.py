@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from kvblocks.backends.spec import DTYPE_SIZES, KVCacheSpec
 from kvblocks.core.groups import kind_rules
+from kvblocks.core.groups.rules import GROUP_KINDS, GroupKind
 from kvblocks.errors import ConfigError
 
 __all__ = [
@@ -46,8 +46,6 @@ __all__ = [
     "held_blocks",
 ]
 
-GroupKind = Literal["full", "sliding_window", "chunked_local", "recurrent", "cross_attention"]
-GROUP_KINDS: tuple[GroupKind, ...] = ("full", "sliding_window", "chunked_local", "recurrent", "cross_attention")
 ATTENTION_KINDS: frozenset[str] = frozenset({"full", "sliding_window", "chunked_local", "cross_attention"})
 
 

@@ -38,14 +38,14 @@ from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 
 from kvblocks.config import CacheConfig
+from kvblocks.core.groups.cross_group import CrossAttentionGroup, _Cross
+from kvblocks.core.groups.hits import longest_common_hit, longest_group_hit, needed_blocks
+from kvblocks.core.groups.local_group import PLACEHOLDER, LocalGroup, LocalGroupManager
 from kvblocks.core.groups.protocol import GroupManager
+from kvblocks.core.groups.recurrent_group import RecurrentGroup, StateCopy, _Recurrent
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, SequenceStateError, StaleLookupError
 from kvblocks.events import BlockStored, EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
-from kvblocks.hybrid.cross import CrossAttentionGroup, _Cross
-from kvblocks.hybrid.hits import longest_common_hit, longest_group_hit, needed_blocks
-from kvblocks.hybrid.local import PLACEHOLDER, LocalGroup, LocalGroupManager
-from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy, _Recurrent
 from kvblocks.manager import _NEVER, KVCacheManager, _count_arg, _Sequence
 from kvblocks.pool import BlockPool
 

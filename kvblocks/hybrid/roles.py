@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvblocks.config import CacheConfig
+from kvblocks.core.groups.cross_group import CrossAttentionGroup
+from kvblocks.core.groups.recurrent_group import RecurrentGroup
 from kvblocks.disagg import DisaggConfig
 from kvblocks.errors import ConfigError
 from kvblocks.events import EventSink
-from kvblocks.hybrid.cross import CrossAttentionGroup
 from kvblocks.hybrid.disagg import (
     HybridDecodeManager,
     HybridPrefillManager,
@@ -16,7 +17,6 @@ from kvblocks.hybrid.disagg import (
     TieredHybridPrefillManager,
 )
 from kvblocks.hybrid.manager import HybridKVCacheManager, LocalGroup
-from kvblocks.hybrid.recurrent import RecurrentGroup
 from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
 from kvblocks.manager import KVCacheManager
 from kvblocks.tiers.config import TierConfig

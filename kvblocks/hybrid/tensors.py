@@ -37,9 +37,9 @@ from kvblocks.backends._torch import torch
 from kvblocks.backends.base import Backend
 from kvblocks.backends.cache import KVCache
 from kvblocks.backends.registry import get_backend
+from kvblocks.core.groups.recurrent_group import StateCopy
 from kvblocks.errors import ConfigError, InvalidBlockIdError
 from kvblocks.hybrid.layout import CacheGroup, HybridLayout, MemoryPlan
-from kvblocks.hybrid.recurrent import StateCopy
 
 __all__ = ["HybridCaches", "StateIds", "StateOp", "StatePool", "apply_state_plan"]
 

@@ -49,13 +49,13 @@ from typing import Any
 
 from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
+from kvblocks.core.groups.hits import longest_common_hit, needed_blocks
+from kvblocks.core.groups.local_group import PLACEHOLDER, LocalGroup, LocalGroupManager
+from kvblocks.core.groups.recurrent_group import RecurrentGroup
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, StaleLookupError
 from kvblocks.events import BlockStored, EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
-from kvblocks.hybrid.hits import longest_common_hit, needed_blocks
-from kvblocks.hybrid.local import PLACEHOLDER, LocalGroup, LocalGroupManager
 from kvblocks.hybrid.manager import HybridKVCacheManager
-from kvblocks.hybrid.recurrent import RecurrentGroup
 from kvblocks.manager import BlockTable, _count_arg, _Sequence
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.entry import group_tag, namespace_tag

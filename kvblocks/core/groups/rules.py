@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from kvblocks.errors import ConfigError
 
-__all__ = ["NEVER", "Cached", "KindRules", "WindowedRules", "ceil_div"]
+__all__ = ["GROUP_KINDS", "NEVER", "Cached", "GroupKind", "KindRules", "WindowedRules", "ceil_div"]
+
+GroupKind = Literal["full", "sliding_window", "chunked_local", "recurrent", "cross_attention"]
+"""The built-in kinds' names (a kind added with :func:`~kvblocks.core.groups.register_kind` is a ``str`` too)."""
+GROUP_KINDS: tuple[GroupKind, ...] = ("full", "sliding_window", "chunked_local", "recurrent", "cross_attention")
 
 NEVER = sys.maxsize
 """A token count no sequence reaches: "the window never moves"."""

@@ -34,6 +34,10 @@ from typing import ClassVar, overload
 
 from kvblocks.accounting import BlockLifetimes, CachedTokens, CacheStats, HitCounters
 from kvblocks.config import CacheConfig
+from kvblocks.core.coordinator import GroupCoordinator
+from kvblocks.core.groups.cross_group import CrossAttentionGroup, _Cross
+from kvblocks.core.groups.local_group import LocalGroup, LocalGroupManager
+from kvblocks.core.groups.recurrent_group import RecurrentGroup, StateCopy, _Recurrent
 from kvblocks.errors import (
     CommitOutOfRangeError,
     ConfigError,
@@ -202,6 +206,9 @@ class KVCacheManager:
     role: ClassVar[str] = "mixed"
     """The node's role in prefill/decode disaggregation (see :mod:`kvblocks.disagg`)."""
 
+    _guards_changes: ClassVar[bool] = False
+    """Whether :meth:`_check_can_change` may refuse (a role or a tier does): the step then checks every entry."""
+
     _tree_group: ClassVar[tuple[int | None, str | None]] = (None, None)
     """The group tag of the tree's events: untagged here; a hybrid manager's tree is group 0, ``"full"``."""
 
@@ -255,6 +262,30 @@ class KVCacheManager:
         self._seqs: dict[Hashable, _Sequence] = {}
         self._freed: OrderedDict[Hashable, None] = OrderedDict()
         self._counters = HitCounters()
+        self._coordinator: GroupCoordinator | None = None  # the layer groups beside full attention, if any
+        self._locals: list[LocalGroupManager] = []
+        self._recurrents: list[_Recurrent] = []
+        self._crosses: list[_Cross] = []
+        self._encoder_tokens: dict[int, int] = {}  # id(_Sequence) -> encoder tokens, for sequences with any
+
+    def _setup_groups(
+        self,
+        local_groups: Sequence[LocalGroup],
+        recurrent_groups: Sequence[RecurrentGroup],
+        cross_groups: Sequence[CrossAttentionGroup] = (),
+    ) -> None:
+        """Give the manager layer groups beside full attention (see :mod:`kvblocks.core.coordinator`)."""
+        groups = GroupCoordinator(
+            local_groups,
+            recurrent_groups,
+            cross_groups,
+            chain_block_size=self._block_size,
+            events=self._tree.events,
+            take_local=self._take_local,
+        )
+        self._coordinator = groups if groups.groups else None
+        self._locals, self._recurrents, self._crosses = groups.locals, groups.recurrents, groups.crosses
+        self._encoder_tokens = groups.encoder_tokens
 
     # ------------------------------------------------------------------ properties
 
@@ -384,7 +415,8 @@ class KVCacheManager:
         return CachedTokens(device=self._match_length(s) * self._block_size, num_prompt_tokens=s.content.num_tokens)
 
     def blocks_short(self, seq_id: Hashable, num_new_tokens: int, *, num_lookahead_tokens: int = 0) -> int:
-        """How many blocks ``allocate(seq_id, num_new_tokens, ...)`` would lack now (0: it would succeed). Pure.
+        """How many blocks ``allocate(seq_id, num_new_tokens, ...)`` would lack now (0: it would succeed), the most
+        any layer group lacks. Pure.
 
         An admission must leave ``reserved_blocks`` free; a running sequence's growth may use them.
         """
@@ -393,14 +425,20 @@ class KVCacheManager:
         k = _count_arg(num_lookahead_tokens, "num_lookahead_tokens")
         size = self._block_size
         pool = self._pool
+        groups = self._coordinator
         if s.table is not None:
-            need = (s.num_covered + n + k + size - 1) // size - len(s.table)
-            available = pool.num_free
-        else:
-            matched = self._match(s)
-            need = (len(matched) * size + n + k + size - 1) // size - len(matched)
-            available = pool.num_free - pool.count_idle(matched) - self._reserve
-        return max(0, need - available)
+            total = (s.num_covered + n + k + size - 1) // size
+            short = total - len(s.table) - pool.num_free
+            return max(0, short, groups.growth_short(id(s), total)) if groups is not None else max(0, short)
+        matched = self._match(s)
+        hits = len(matched)
+        total = (hits * size + n + k + size - 1) // size
+        short = total - hits - (pool.num_free - pool.count_idle(matched) - self._reserve)
+        if groups is not None:
+            for answer in groups.answers(id(s), s.content.hashes, hits, total, size):
+                if answer is not None:
+                    short = max(short, answer[0])
+        return max(0, short)
 
     def can_allocate(self, seq_id: Hashable, num_new_tokens: int, *, num_lookahead_tokens: int = 0) -> bool:
         """Whether :meth:`allocate` would succeed now. Pure: never evicts."""
@@ -412,29 +450,121 @@ class KVCacheManager:
         return view if view is not None else BlockTable([])
 
     def block_tables(self, seq_id: Hashable) -> tuple[list[int], ...]:
-        """One table per layer group, group 0 first (copies; empty lists when not admitted).
-
-        A plain manager has one group, whose table is :meth:`block_table`'s; a hybrid manager adds its
-        other groups' (see :meth:`group_block_table`).
-        """
-        return tuple(self.group_block_table(seq_id, group) for group in range(self.num_groups))
+        """One entry per layer group, group 0 first (copies; empty lists when not admitted): an attention group's
+        table (a local group's holds PLACEHOLDER where released), a recurrent group's running state slot as a
+        one-entry list. A manager of full attention only has one group, whose table is :meth:`block_table`'s."""
+        s = self._get(seq_id)
+        first = list(s.table or ())
+        groups = self._coordinator
+        return (first,) if groups is None else (first, *groups.tables(id(s)))
 
     def group_block_table(self, seq_id: Hashable, group: int) -> list[int]:
-        """Group ``group``'s table of ``seq_id`` (a copy; group 0 is :meth:`block_table`'s ids)."""
+        """Group ``group``'s table of ``seq_id`` (a copy; 0: the full-attention table); PLACEHOLDER where a local
+        group released a position. A recurrent group has no table (:meth:`state_slot` is its per-sequence state)."""
         s = self._get(seq_id)
-        if group != 0 or isinstance(group, bool):
-            raise ConfigError(f"group must be an int in [0, {self.num_groups}), got {group!r}")
-        return list(s.table or ())
+        number = self._group(group)
+        if number == 0:
+            return list(s.table or ())
+        return self._coordinator.table(number, id(s))  # type: ignore[union-attr]  # number > 0: there are groups
+
+    def group_pool(self, group: int) -> BlockPool:
+        """The block pool of group ``group``: group 0's is :attr:`pool`; a recurrent group's holds its checkpoints."""
+        number = self._group(group)
+        return self._pool if number == 0 else self._coordinator.pool(number)  # type: ignore[union-attr]
 
     @property
     def num_groups(self) -> int:
-        """Groups of layers with a table each: one here (every layer is full attention)."""
-        return 1
+        """Groups of layers: full attention (0), then the local, recurrent and cross-attention groups."""
+        groups = self._coordinator
+        return 1 if groups is None else len(groups.kinds)
 
     @property
     def group_kinds(self) -> tuple[str, ...]:
         """Each group's kind, by group index."""
-        return ("full",)
+        groups = self._coordinator
+        return ("full",) if groups is None else groups.kinds
+
+    @property
+    def hit_step(self) -> int:
+        """Every hit is a multiple of this many tokens: each group's block size and checkpoint spacing divide it."""
+        groups = self._coordinator
+        return self._block_size if groups is None else groups.hit_step
+
+    def _group(self, group: object) -> int:
+        groups = self._coordinator
+        if groups is None:
+            if isinstance(group, bool) or group != 0 or type(group) is not int:
+                raise ConfigError(f"group must be an int in [0, 1), got {group!r}")
+            return 0
+        return groups.number(group)
+
+    def set_encoder_tokens(self, seq_id: Hashable, num_encoder_tokens: int) -> None:
+        """How many encoder outputs ``seq_id``'s cross-attention layers attend to (0 by default).
+
+        Give it before the admission: the cross-attention groups take their blocks then.
+        """
+        s = self._get(seq_id)
+        count = _count_arg(num_encoder_tokens, "num_encoder_tokens")
+        if s.table is not None:
+            raise SequenceStateError(f"sequence {seq_id!r} is admitted: its encoder tokens are fixed until it leaves")
+        if not self._crosses and count:
+            raise InvalidArgumentError("this manager has no cross-attention group")
+        if count:
+            self._encoder_tokens[id(s)] = count
+        else:
+            self._encoder_tokens.pop(id(s), None)
+
+    def state_slot(self, seq_id: Hashable, group: int) -> int:
+        """The running state id of admitted ``seq_id`` in recurrent group ``group`` (what its forward pass updates)."""
+        s = self._get(seq_id)
+        slot = self._recurrent(group).slots.get(id(s))
+        if slot is None:
+            raise InvalidArgumentError(f"sequence {seq_id!r} is not admitted: it has no state slot")
+        return slot
+
+    def num_state_slots(self, group: int) -> int:
+        """Running slots of recurrent group ``group``; its state ids ``num_state_slots(g) + c`` are checkpoints."""
+        return self._recurrent(group).num_slots
+
+    def _recurrent(self, group: object) -> _Recurrent:
+        number = self._group(group)
+        if self._coordinator is None or number == 0:
+            raise InvalidArgumentError(f"group {number} is 'full', not recurrent")
+        return self._coordinator.recurrent(number)
+
+    def next_checkpoint(self, seq_id: Hashable) -> int | None:
+        """The first token count after ``seq_id``'s committed line at which every recurrent group checkpoints.
+
+        A scheduler that ends a prefill chunk there gets the prompt's state cached (a commit elsewhere
+        takes no checkpoint). None without recurrent groups.
+        """
+        s = self._get(seq_id)
+        step = self._coordinator.checkpoint_step if self._coordinator is not None else 0
+        return (s.num_committed // step + 1) * step if step else None
+
+    def take_state_plan(self) -> list[StateCopy]:
+        """The state operations planned since the last call, to run in order before the next forward pass.
+
+        Call it once per step, after the scheduling calls and before the forward pass, and run what it
+        returns first: calling it again is what tells the manager the previous plan has run, so the
+        checkpoints that plan saved become findable then (never earlier). See :mod:`kvblocks.hybrid.recurrent`.
+        """
+        return self._coordinator.take_state_plan() if self._coordinator is not None else []
+
+    def state_plan_done(self) -> None:
+        """Say that the plan :meth:`take_state_plan` handed out last has run, so that its checkpoints are
+        findable at once (the next :meth:`take_state_plan` says it too; calling both is harmless).
+
+        Without this call a checkpoint saved by the plan of step ``t`` is first findable by the admissions
+        after the next ``take_state_plan``: a step later than it could be.
+        """
+        if self._coordinator is not None:
+            self._coordinator.state_plan_done()
+
+    @property
+    def checkpoints_skipped(self) -> int:
+        """Checkpoints not taken because every checkpoint of the group was being written or restored from."""
+        return sum(r.skipped for r in self._recurrents)
 
     def num_tokens(self, seq_id: Hashable) -> int:
         return self._get(seq_id).content.num_tokens
@@ -507,6 +637,11 @@ class KVCacheManager:
             raise InvalidArgumentError(
                 f"num_cached_tokens must be a multiple of the block size {self._block_size}, got {tokens}"
             )
+        if self._coordinator is not None and tokens % self._coordinator.hit_step:
+            raise InvalidArgumentError(
+                f"num_cached_tokens must be a multiple of {self._coordinator.hit_step} (every group's block boundary "
+                f"and checkpoint spacing), got {tokens}"
+            )
         return tokens // self._block_size
 
     def _check_can_change(self, seq_id: Hashable, s: _Sequence, what: str) -> None:
@@ -533,11 +668,16 @@ class KVCacheManager:
             self._pool._release_valid(reversed(surplus))
         s.num_covered = covered
         s.lookahead = lookahead
+        if self._coordinator is not None and need:
+            self._coordinator.resize(id(s), len(table))
         return True
 
     def _room_to_grow(self, s: _Sequence, need: int) -> bool:
-        """Whether admitted ``s`` may take ``need`` more blocks now (a hybrid manager asks every group). Pure."""
-        return need <= self._pool.num_free
+        """Whether admitted ``s`` may take ``need`` more blocks now, in every layer group. Pure."""
+        if need > self._pool.num_free:
+            return False
+        groups = self._coordinator
+        return groups is None or groups.growth_short(id(s), len(s.table) + need) <= 0  # type: ignore[arg-type]
 
     def _admit(self, seq_id: Hashable, s: _Sequence, n: int, k: int, expected: int | None) -> BlockTable | None:
         size = self._block_size
@@ -566,9 +706,31 @@ class KVCacheManager:
         return s.view
 
     def _admit_beside(self, seq_id: Hashable, s: _Sequence, hits: int, need: int) -> bool:
-        """Other layer groups' part of an admission of ``hits`` cached and ``need`` new blocks, once this
-        pool has room: take it, or change nothing and return False. None here (a hybrid manager has them)."""
+        """The other layer groups' part of an admission of ``hits`` cached and ``need`` new blocks, once full
+        attention's pool has room. Two phases: every group says what it lacks for the hit (raising
+        :class:`StaleLookupError` when one no longer serves it), then -- only when none lacks anything --
+        every group takes. False (and no change) when a group lacks room."""
+        groups = self._coordinator
+        if groups is None:
+            return True
+        size = self._block_size
+        key = id(s)
+        total = hits + need
+        answers = groups.answers(key, s.content.hashes, hits, total, size)
+        if None in answers:  # only when the caller named a shorter hit than every group serves
+            raise StaleLookupError(
+                f"sequence {seq_id!r}: a group no longer holds what the {hits * size}-token hit seen needs"
+            )
+        if any(answer[0] > 0 for answer in answers):
+            return False
+        groups.take(key, hits, total, size, answers)
+        s.watch = groups.next_move(hits * size)
         return True
+
+    def _take_local(self, index: int, count: int) -> list[int]:
+        """``count`` fresh blocks of local group ``index`` (group ``index + 1``), evicting idle ones (a tiered
+        manager moves them down)."""
+        return self._locals[index].take(count)
 
     def _check_expected(self, seq_id: Hashable, expected: int, available: int) -> None:
         if expected > available:
@@ -589,11 +751,13 @@ class KVCacheManager:
         return (num_tokens - 1) // self._block_size
 
     def _match_length(self, s: _Sequence) -> int:
-        """How many leading blocks of ``s`` the tree holds now (the device hit). Pure."""
+        """How many leading blocks of ``s`` every group serves now (the device hit). Pure."""
         if not self._caching or s.skip_read:
             return 0
         content = s.content
         found = self._tree.match_length(content.hashes, self._cacheable_blocks(content.num_tokens))
+        if self._coordinator is not None:
+            return self._hit_within(content.hashes, found)
         return found - 1 if found and self._drop_last else found
 
     def _match(self, s: _Sequence) -> list[int]:
@@ -601,9 +765,26 @@ class KVCacheManager:
             return []
         content = s.content
         matched = self._tree.matched_blocks(content.hashes, self._cacheable_blocks(content.num_tokens))
-        if matched and self._drop_last:
+        if self._coordinator is not None:
+            del matched[self._hit_within(content.hashes, len(matched)) :]  # one walk of the tree, not two
+        elif matched and self._drop_last:
             matched.pop()
         return matched
+
+    def _hit_within(self, hashes: Sequence[BlockHash], run: int) -> int:
+        """The hit (blocks) every group serves within full attention's leading ``run`` of cached blocks. Pure.
+
+        With ``drop_last_matched_block`` the hit is the largest one every group serves below the
+        common hit (the last block's tokens are computed again, as EAGLE needs their hidden states).
+        """
+        if not run:
+            return 0
+        size = self._block_size
+        groups: GroupCoordinator = self._coordinator  # type: ignore[assignment]  # callers checked
+        hit = groups.common_hit(hashes, run * size)
+        if hit and self._drop_last:
+            hit = groups.common_hit(hashes, hit - size)
+        return hit // size
 
     def _take(self, count: int) -> list[int]:
         pool = self._pool
@@ -677,12 +858,16 @@ class KVCacheManager:
             existing = tree.insert(content.hashes, table, start, full, tokens=tokens, lora_name=lora, stable=True)
             if existing:
                 self._pin_duplicates(s, start, existing)
+        before = s.num_committed
         s.num_committed = n
         if n > s.num_covered:  # accepted drafts, committed in lookahead slots: they are allocated tokens now
             s.lookahead -= n - s.num_covered
             s.num_covered = n
         if full > start:
             self._committed(s, start, full)
+        groups = self._coordinator
+        if groups is not None:
+            s.watch = groups.committed(id(s), s.content.hashes, before, n, full > start and self._caching)
 
     def _committed(self, s: _Sequence, start: int, stop: int) -> None:
         """Blocks ``[start, stop)`` of ``s`` were just committed (a tier copies them down). None here."""
@@ -732,7 +917,7 @@ class KVCacheManager:
             raise  # pragma: no cover - one of them raised
         if len(set(map(id, batch))) != count:
             raise InvalidArgumentError("a sequence appears twice in one step")
-        hooked = type(self)._check_can_change is not KVCacheManager._check_can_change
+        hooked = self._guards_changes
         # 1. validate every entry: nothing changes unless the whole batch is sound
         plan = []
         for seq_id, s, n, tokens, new, k in zip(seq_ids, batch, commits, appends, news, drafts, strict=True):
@@ -833,6 +1018,8 @@ class KVCacheManager:
                 raise DoubleFreeError(f"sequence {seq_id!r} was already freed") from None
             raise UnknownSequenceError(seq_id) from None
         self._release(s)
+        if self._crosses:
+            self._encoder_tokens.pop(id(s), None)
         freed = self._freed
         freed[seq_id] = None
         if len(freed) > _FREED_MEMORY:
@@ -850,6 +1037,8 @@ class KVCacheManager:
     def _release(self, s: _Sequence) -> None:
         if s.table is None:
             return
+        if self._coordinator is not None:
+            self._coordinator.release(id(s))
         self._pool._release_valid(self._release_order(s))  # the manager's own table: valid by construction
         self._clear_table(s)
 
@@ -881,15 +1070,22 @@ class KVCacheManager:
     def snapshot_events(self) -> list[BlockStored]:
         """The cache's contents as ``BlockStored`` events, parents first (``EventPublisher(snapshot=...)``). Pure.
 
-        The managers with more to index (hybrid groups, host and storage tiers) extend it.
+        Every layer group's cached blocks are tagged with the group (a local group records chain parents only
+        with an event sink); the tiered managers add their tiers' contents.
         """
-        return self._tree.snapshot_events()
+        events = self._tree.snapshot_events()
+        if self._coordinator is not None:
+            events += self._coordinator.snapshot_events()
+        return events
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (after a weight update, say). Refused (False) while any block is in use."""
-        if self._pool.num_in_use:
+        groups = self._coordinator
+        if self._pool.num_in_use or (groups is not None and groups.busy):  # a state plan's checkpoint would return
             return False
         self._tree.clear()
+        if groups is not None:
+            groups.clear()
         return True
 
     # ------------------------------------------------------------------ statistics and checks
@@ -955,6 +1151,24 @@ class KVCacheManager:
                     f"block {block} has ref count {pool.ref_count(block)} but {expected[block]} holders"
                 )
         self._check_release_order()
+        groups = self._coordinator
+        if groups is not None:
+            live = {
+                id(s): (seq_id, len(s.table), self._window_tokens(s))
+                for seq_id, s in self._seqs.items()
+                if s.table is not None
+            }
+            known = {id(s) for s in self._seqs.values()}
+            groups.check_integrity(live, self._count_other_local_holders, known)
+
+    def _window_tokens(self, s: _Sequence) -> int:
+        """The token the windows of ``s`` are placed at: its committed line (a decode node receiving a
+        prompt, or a tiered node's pending admission, places them elsewhere)."""
+        return s.num_committed
+
+    def _count_other_local_holders(self, index: int, expected: list[int]) -> None:
+        """Add references on local group ``index``'s blocks held by something other than the tables (none here;
+        a tiered manager's in-flight copies)."""
 
     def _count_other_holders(self, expected: list[int]) -> None:
         """Add references held by something other than sequences' tables and pins (none here)."""

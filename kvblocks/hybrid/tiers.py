@@ -210,7 +210,7 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
             )
         on = tiers.host_policy != "off"
         sink = self._tree.events
-        kinds = self._kinds
+        kinds = self.group_kinds
         self._group_hosts = [
             HostTier(
                 count,
@@ -240,7 +240,7 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         config = self.config
         local = self._locals[number]
         base = namespace_tag(config.namespace, config.hash_scheme, config.block_size)
-        tag = group_tag(base, number + 1, self._kinds[number + 1], local.block_size, local.span)
+        tag = group_tag(base, number + 1, self.group_kinds[number + 1], local.block_size, local.span)
         return StorageTier(
             tiers,
             config.namespace,  # type: ignore[arg-type]
@@ -251,7 +251,7 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
             owns_backend=False,  # group 0's tier closes the backend, after the local groups' tiers
             events=self._tree.events,
             group=number + 1,
-            group_kind=self._kinds[number + 1],
+            group_kind=self.group_kinds[number + 1],
         )
 
     def _new_plan(self, plan_id: int) -> _Plan:
@@ -472,7 +472,7 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         s.num_covered = covered
         s.lookahead = k
         s.num_committed = device * size
-        self._watch(s, hit * size)
+        s.watch = self._coordinator.next_move(hit * size)  # type: ignore[union-attr]  # a hybrid manager has groups
         if not host_blocks and not num_loads and not any(local_swaps) and not any(local_loads):
             self._admitted(seq_id, CachedTokens(device=hit * size, num_prompt_tokens=s.content.num_tokens), s.preempted)
             return s.view

@@ -170,6 +170,8 @@ class TieredKVCacheManager(KVCacheManager):
     CachedTokens(device=0, host=16, storage=0, num_prompt_tokens=17)
     """
 
+    _guards_changes = True  # its _check_can_change may refuse
+
     def __init__(
         self,
         num_blocks: int,

@@ -1,0 +1,268 @@
+"""The layer groups beside full attention, coordinated: the common hit, two-phase admission, growth,
+commit and release over every group, each asked through one interface.
+
+A manager with groups beside full attention (sliding window, chunked local, recurrent state,
+cross-attention) owns one :class:`GroupCoordinator`; a manager of full attention only owns none, so its
+paths stay what they were. Groups are numbered 0 (full attention, the manager's own tree and tables),
+then the local groups in the order given, then the recurrent groups, then the cross-attention groups.
+
+* The hit is the longest prefix every group serves (:func:`~kvblocks.core.groups.hits.longest_common_hit`):
+  full attention its leading run, a local group the blocks its window needs at the hit, a recurrent
+  group a checkpoint exactly there.
+* An admission is two-phase: every group says what it lacks (:meth:`GroupManager.admission`), then --
+  only when none lacks anything -- every group takes. A refusal changes no group.
+* A commit caches the newly full blocks in every group, then each local group releases the blocks no
+  later token can attend to; growth takes one block per new position in every local group, or nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from functools import partial
+
+from kvblocks.core.groups.cross_group import CrossAttentionGroup, _Cross
+from kvblocks.core.groups.hits import longest_common_hit, longest_group_hit, needed_blocks
+from kvblocks.core.groups.local_group import LocalGroup, LocalGroupManager
+from kvblocks.core.groups.protocol import GroupManager
+from kvblocks.core.groups.recurrent_group import RecurrentGroup, StateCopy, _Recurrent
+from kvblocks.core.groups.rules import NEVER
+from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError
+from kvblocks.events import BlockStored, EventSink
+from kvblocks.hashing import BlockHash
+from kvblocks.pool import BlockPool
+
+__all__ = ["GroupCoordinator", "split_groups"]
+
+_ORDER = (LocalGroup, RecurrentGroup, CrossAttentionGroup)
+
+
+def split_groups(
+    groups: Sequence[object],
+) -> tuple[list[LocalGroup], list[RecurrentGroup], list[CrossAttentionGroup]]:
+    """The local, recurrent and cross-attention groups of ``groups``, which must come in that order (it is
+    their group numbering: 1, 2, ... after full attention)."""
+    split: tuple[list[LocalGroup], list[RecurrentGroup], list[CrossAttentionGroup]] = ([], [], [])
+    rank = 0
+    for number, group in enumerate(groups, 1):
+        kinds = [i for i, kind in enumerate(_ORDER) if isinstance(group, kind)]
+        if not kinds:
+            raise ConfigError(
+                f"group {number} is a {type(group).__name__}; a layer group is a LocalGroup, RecurrentGroup or "
+                "CrossAttentionGroup"
+            )
+        if kinds[0] < rank:
+            raise ConfigError(
+                "groups come in group order: local groups, then recurrent groups, then cross-attention groups"
+            )
+        rank = kinds[0]
+        split[rank].append(group)  # type: ignore[arg-type]
+    return split
+
+
+class GroupCoordinator:
+    """Every layer group beside full attention, and the rules that span them.
+
+    ``take_local(index, count)`` is how local group ``index`` gets new blocks (a tiered manager's hook
+    writes the blocks it evicts back); sequences are keyed by ``id(sequence)``.
+    """
+
+    def __init__(
+        self,
+        local_groups: Sequence[LocalGroup],
+        recurrent_groups: Sequence[RecurrentGroup],
+        cross_groups: Sequence[CrossAttentionGroup],
+        *,
+        chain_block_size: int,
+        events: EventSink | None,
+        take_local: Callable[[int, int], list[int]],
+    ) -> None:
+        given = (local_groups, recurrent_groups, cross_groups)
+        if any(isinstance(groups, (str, bytes)) for groups in given):
+            raise ConfigError("local_groups, recurrent_groups and cross_groups must be sequences of groups")
+        locals_: list[LocalGroup] = list(local_groups)
+        recurrents: list[RecurrentGroup] = list(recurrent_groups)
+        crosses: list[CrossAttentionGroup] = list(cross_groups)
+        for groups, kind in ((locals_, LocalGroup), (recurrents, RecurrentGroup), (crosses, CrossAttentionGroup)):
+            if not all(isinstance(g, kind) for g in groups):
+                raise ConfigError(f"a group list holds something other than {kind.__name__} instances")
+        size = chain_block_size
+        self.locals = [LocalGroupManager(g, size, number, events) for number, g in enumerate(locals_, 1)]
+        for index, local in enumerate(self.locals):  # new blocks through the manager's hook (tiers write back)
+            local.take_blocks = partial(take_local, index)
+        first = 1 + len(locals_)
+        self.recurrents = [_Recurrent(g, first + i, size, events) for i, g in enumerate(recurrents)]
+        first += len(recurrents)
+        self.crosses = [_Cross(g, first + i, size) for i, g in enumerate(crosses)]
+        self.groups: list[GroupManager] = [*self.locals, *self.recurrents, *self.crosses]  # group order
+        self.committing: list[LocalGroupManager | _Recurrent] = [*self.locals, *self.recurrents]
+        self.encoder_tokens: dict[int, int] = {}  # id(sequence) -> encoder tokens, for sequences with any
+        self.kinds: tuple[str, ...] = (
+            "full",
+            *(g.kind for g in locals_),
+            *("recurrent" for _ in recurrents),
+            *("cross_attention" for _ in crosses),
+        )
+        self.checkpoint_step = math.lcm(*(r.step for r in self.recurrents)) if self.recurrents else 0
+        self.hit_step = math.lcm(size, *(g.block_size for g in self.locals), *(r.step for r in self.recurrents))
+
+    # ------------------------------------------------------------------ group numbers
+
+    def number(self, group: object) -> int:
+        """``group`` checked: an int in ``[0, number of groups)``."""
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self.kinds):
+            raise ConfigError(f"group must be an int in [0, {len(self.kinds)}), got {group!r}")
+        return group
+
+    def recurrent(self, number: int) -> _Recurrent:
+        if self.kinds[number] != "recurrent":
+            raise InvalidArgumentError(f"group {number} is {self.kinds[number]!r}, not recurrent")
+        return self.recurrents[number - 1 - len(self.locals)]
+
+    def cross(self, number: int) -> _Cross:
+        return self.crosses[number - 1 - len(self.locals) - len(self.recurrents)]
+
+    def table(self, number: int, key: int) -> list[int]:
+        """Group ``number`` (> 0)'s table of a sequence (a copy; empty when not admitted)."""
+        if number <= len(self.locals):
+            return list(self.locals[number - 1].tables.get(key, ()))
+        if self.kinds[number] == "cross_attention":
+            return list(self.cross(number).tables.get(key, ()))
+        raise InvalidArgumentError(f"group {number} is recurrent: it has a state slot, not a block table")
+
+    def tables(self, key: int) -> list[list[int]]:
+        """Every group's entry after group 0: a table, or a recurrent group's state slot as a one-entry list."""
+        out = []
+        for number in range(1, len(self.kinds)):
+            if self.kinds[number] == "recurrent":
+                slot = self.recurrent(number).slots.get(key)
+                out.append([] if slot is None else [slot])
+            else:
+                out.append(self.table(number, key))
+        return out
+
+    def pool(self, number: int) -> BlockPool:
+        """Group ``number`` (> 0)'s pool (a recurrent group's holds its checkpoints)."""
+        if number <= len(self.locals):
+            return self.locals[number - 1].pool
+        if self.kinds[number] == "cross_attention":
+            return self.cross(number).pool
+        return self.recurrent(number).pool
+
+    # ------------------------------------------------------------------ the hit every group serves
+
+    def common_hit(self, hashes: Sequence[BlockHash], limit: int) -> int:
+        """The largest hit (tokens) at or below ``limit`` that every group beside full attention serves."""
+        locals_ = self.locals
+        step = self.hit_step
+        if len(locals_) == 1 and not self.recurrents:  # one local group: its answer below the run is the fixed point
+            local = locals_[0]
+            if local.ratio == 1 and not limit % step:  # the common case first, checked in C:
+                window = needed_blocks(local.rule, limit)  # the group holds the whole window below the limit
+                if all(map(local.index._block_of.__contains__, hashes[window.start : window.stop])):
+                    return limit
+            return longest_group_hit(local.rule, limit, step, local.served(hashes))
+        rules = [local.rule for local in locals_]
+        answers = [local.served(hashes) for local in locals_]
+        for recurrent in self.recurrents:
+            rules.append(recurrent.rule)
+            answers.append(_checkpointed(recurrent, hashes))
+        return longest_common_hit(rules, limit, answers, step)
+
+    # ------------------------------------------------------------------ admission and growth
+
+    def answers(self, key: int, hashes: Sequence[BlockHash], hits: int, total: int, chain_block_size: int) -> list:  # type: ignore[type-arg]
+        """Every group's answer to an admission of ``hits`` cached chain blocks growing to ``total``. Pure."""
+        tokens = hits * chain_block_size
+        encoder = self.encoder_tokens.get(key, 0)
+        return [group.admission(hashes, hits, total, tokens, encoder) for group in self.groups]
+
+    def take(self, key: int, hits: int, total: int, chain_block_size: int, answers: list) -> None:  # type: ignore[type-arg]
+        """The second phase: every group takes what its answer found room for."""
+        tokens = hits * chain_block_size
+        for group, answer in zip(self.groups, answers, strict=True):
+            group.take_admission(key, hits, total, tokens, answer[1])
+
+    def growth_short(self, key: int, total: int) -> int:
+        """The most blocks a local group lacks to grow a sequence's tables to ``total`` chain blocks. Pure."""
+        return max((local.growth_short(key, total) for local in self.locals), default=0)
+
+    def resize(self, key: int, total: int) -> None:
+        for local in self.locals:
+            local.resize(key, total)
+
+    # ------------------------------------------------------------------ commit and release
+
+    def committed(self, key: int, hashes: Sequence[BlockHash], before: int, n: int, cache: bool) -> int:
+        """Every group's part of a commit from ``before`` to ``n`` tokens; returns the token count at which a
+        window may next move (a commit reaching it must reach :meth:`committed` again)."""
+        for group in self.committing:
+            group.committed(key, hashes, before, n, cache)
+        return self.next_move(n)
+
+    def next_move(self, n: int) -> int:
+        locals_ = self.locals
+        if len(locals_) == 1:
+            return locals_[0].next_move(n)
+        return min((local.next_move(n) for local in locals_), default=NEVER)
+
+    def release(self, key: int) -> None:
+        for group in self.groups:
+            group.release(key)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a state plan has saves or restores not known to have run."""
+        return any(r.busy for r in self.recurrents)
+
+    def clear(self) -> None:
+        """Drop every cached block and checkpoint (the caller checked nothing is in use)."""
+        for local in self.locals:
+            local.index.clear()
+        for recurrent in self.recurrents:
+            recurrent.index.clear()
+
+    def snapshot_events(self) -> list[BlockStored]:
+        events: list[BlockStored] = []
+        for local in self.locals:
+            events += local.index.snapshot_events()
+        for recurrent in self.recurrents:
+            events += recurrent.index.snapshot_events()
+        return events
+
+    # ------------------------------------------------------------------ recurrent state plans
+
+    def take_state_plan(self) -> list[StateCopy]:
+        plan: list[StateCopy] = []
+        for recurrent in self.recurrents:
+            plan += recurrent.take_plan()
+        return plan
+
+    def state_plan_done(self) -> None:
+        for recurrent in self.recurrents:
+            recurrent.plan_ran()
+
+    # ------------------------------------------------------------------ checks
+
+    def check_integrity(
+        self,
+        live: dict[int, tuple[object, int, int]],
+        other_local_holders: Callable[[int, list[int]], None],
+        registered: set[int],
+    ) -> None:
+        """Every group's own checks. ``live``: id(sequence) -> (sequence id, full-attention table length, the
+        token its windows are placed at) of every admitted sequence; ``registered``: id of every sequence."""
+        for index, local in enumerate(self.locals):
+            local.check_integrity(live, partial(other_local_holders, index))
+        for recurrent in self.recurrents:
+            recurrent.check_integrity(set(live))
+        encoder = {key: self.encoder_tokens.get(key, 0) for key in live}
+        for cross in self.crosses:
+            cross.check_integrity(encoder)
+        if not set(self.encoder_tokens) <= registered:
+            raise IntegrityError("encoder token counts are kept for a sequence that left")
+
+
+def _checkpointed(recurrent: _Recurrent, hashes: Sequence[BlockHash]) -> Callable[[int], bool]:
+    """Whether ``recurrent`` has a findable checkpoint at token ``hit``."""
+    return lambda hit: recurrent.checkpoint_at(hashes, hit) is not None

@@ -112,7 +112,16 @@ class Node:
             plan, saved=saved, failed_swap_ins=failed_in, failed_swap_outs=failed_out
         )
 
+    def quiesce(self) -> None:
+        """Wait for queued storage writes and reads (probes, loads), so that what the manager reports next does
+        not depend on thread timing (hypothesis needs the same draws for the same choices)."""
+        storage = getattr(self.m, "storage", None)
+        if storage is not None:
+            self.m.flush(2)  # type: ignore[attr-defined]
+            storage.wait_idle(2)
+
     def poll(self) -> int:
+        self.quiesce()
         results = self.m.poll_loads()  # type: ignore[attr-defined]
         for r in results:
             for block, parts in zip(r.blocks, r.payloads, strict=True):

@@ -34,7 +34,7 @@ MAX_SEQS = 4
 GHOST = "ghost"  # a sequence no manager ever saw
 
 SETTINGS = settings(
-    max_examples=20,
+    max_examples=16,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=list(HealthCheck),
@@ -84,6 +84,7 @@ class ManagerContract(RuleBasedStateMachine):
 
     def _admit(self, seq: int, lookahead: int = 0) -> None:
         m = self.m
+        self.node.quiesce()  # the storage probe of add_sequence (and writes in flight) answered
         cached = m.lookup(seq)  # type: ignore[attr-defined]
         length = len(self.tokens[seq])
         table = m.allocate(  # type: ignore[attr-defined]
@@ -237,8 +238,6 @@ class ManagerContract(RuleBasedStateMachine):
     def settle(self, data: st.DataObject) -> None:
         """Let queued writes and reads finish, then step until every admitted sequence's copies settled."""
         m, node = self.m, self.node
-        m.flush(2)  # type: ignore[attr-defined]
-        m.storage.wait_idle(2)  # type: ignore[attr-defined]
         deadline = time.monotonic() + 3
         while True:
             if self.plan is not None:

@@ -86,6 +86,8 @@ class DecodeManager(KVCacheManager):
     {'prompt_tokens': 10, 'prompt_tokens_details': {'cached_tokens': 0}}
     """
 
+    _guards_changes = True  # its _check_can_change may refuse
+
     role: ClassVar[str] = "decode"
 
     def __init__(

@@ -35,6 +35,8 @@ class PrefillManager(KVCacheManager):
     2
     """
 
+    _guards_changes = True  # its _check_can_change may refuse
+
     role: ClassVar[str] = "prefill"
 
     def _setup(self, config: CacheConfig, event_sink: EventSink | None) -> None:

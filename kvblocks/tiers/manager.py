@@ -637,6 +637,10 @@ class TieredKVCacheManager(KVCacheManager):
         state = self._inflight.get(plan.id)
         if state is None:
             if not plan:
+                if failed_in or failed_out:
+                    raise InvalidArgumentError(
+                        f"failed blocks {sorted(failed_in | failed_out)} named for an empty plan: it moves nothing"
+                    )
                 return None
             raise InvalidArgumentError(f"transfer plan {plan.id} is unknown or already completed")
         if not failed_in <= {d for _, d, _ in state.swap_ins}:

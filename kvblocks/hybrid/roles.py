@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvblocks.config import CacheConfig
-from kvblocks.core.groups.cross_group import CrossAttentionGroup
-from kvblocks.core.groups.recurrent_group import RecurrentGroup
+from kvblocks.core.coordinator import split_groups
 from kvblocks.disagg import DisaggConfig
 from kvblocks.errors import ConfigError
 from kvblocks.events import EventSink
@@ -16,37 +15,12 @@ from kvblocks.hybrid.disagg import (
     TieredHybridDecodeManager,
     TieredHybridPrefillManager,
 )
-from kvblocks.hybrid.manager import HybridKVCacheManager, LocalGroup
+from kvblocks.hybrid.manager import HybridKVCacheManager
 from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
 from kvblocks.manager import KVCacheManager
 from kvblocks.tiers.config import TierConfig
 
-__all__ = ["hybrid_manager_for_role", "split_groups"]
-
-_ORDER = (LocalGroup, RecurrentGroup, CrossAttentionGroup)
-
-
-def split_groups(
-    groups: Sequence[object],
-) -> tuple[list[LocalGroup], list[RecurrentGroup], list[CrossAttentionGroup]]:
-    """The local, recurrent and cross-attention groups of ``groups``, which must come in that order (it is
-    their group numbering: 1, 2, ... after full attention)."""
-    split: tuple[list[LocalGroup], list[RecurrentGroup], list[CrossAttentionGroup]] = ([], [], [])
-    rank = 0
-    for number, group in enumerate(groups, 1):
-        kinds = [i for i, kind in enumerate(_ORDER) if isinstance(group, kind)]
-        if not kinds:
-            raise ConfigError(
-                f"group {number} is a {type(group).__name__}; a layer group is a LocalGroup, RecurrentGroup or "
-                "CrossAttentionGroup"
-            )
-        if kinds[0] < rank:
-            raise ConfigError(
-                "groups come in group order: local groups, then recurrent groups, then cross-attention groups"
-            )
-        rank = kinds[0]
-        split[rank].append(group)  # type: ignore[arg-type]
-    return split
+__all__ = ["hybrid_manager_for_role"]
 
 
 def hybrid_manager_for_role(

@@ -28,13 +28,10 @@ from collections.abc import Sequence
 from kvblocks.config import CacheConfig
 from kvblocks.core.groups.local_group import PLACEHOLDER, LocalGroup, LocalGroupManager
 from kvblocks.core.groups.recurrent_group import RecurrentGroup
-from kvblocks.disagg import (
-    DecodeManager,
-    DisaggConfig,
-    HandoffGroup,
-    PrefillHandoff,
-    PrefillManager,
-)
+from kvblocks.disagg.config import DisaggConfig
+from kvblocks.disagg.decode import DecodeManager
+from kvblocks.disagg.handoff import HandoffGroup, PrefillHandoff
+from kvblocks.disagg.prefill import PrefillManager
 from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import DEFAULT_SCHEME, Namespace

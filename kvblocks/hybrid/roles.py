@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from kvblocks.config import CacheConfig
 from kvblocks.core.coordinator import split_groups
-from kvblocks.disagg import DisaggConfig
+from kvblocks.disagg.config import DisaggConfig
 from kvblocks.errors import ConfigError
 from kvblocks.events import EventSink
 from kvblocks.hybrid.disagg import (

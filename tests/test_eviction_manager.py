@@ -20,6 +20,6 @@ class S3FIFOManagerMachine(ManagerMachine):
 
 
 S3FIFOManagerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=100, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestS3FIFOManagerMachine = S3FIFOManagerMachine.TestCase

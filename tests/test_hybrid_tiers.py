@@ -474,7 +474,7 @@ class HybridTiersMachine(RuleBasedStateMachine):
 
 
 TestHybridTiersMachine = HybridTiersMachine.TestCase
-TestHybridTiersMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestHybridTiersMachine.settings = settings(max_examples=180, stateful_step_count=40, deadline=None)
 
 
 # ---------------------------------------------------------------- storage for the local groups
@@ -930,4 +930,4 @@ class HybridStorageMachine(HybridTiersMachine):
 
 
 TestHybridStorageMachine = HybridStorageMachine.TestCase
-TestHybridStorageMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestHybridStorageMachine.settings = settings(max_examples=180, stateful_step_count=40, deadline=None)

@@ -208,6 +208,7 @@ class TieredKVCacheManager(KVCacheManager):
         if not isinstance(tiers, TierConfig):
             raise ConfigError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
         self.tiers = tiers
+        self._quiet: tuple[GroupTransfers, ...] | None = None  # the group entries of a plan that moves nothing
         config = self.config
         sink = self._tree.events
         group, kind = self._tree_group  # the tiers' events carry the device tree's group tag
@@ -564,10 +565,16 @@ class TieredKVCacheManager(KVCacheManager):
         """The copies this step's scheduling calls planned; run them in order, then :meth:`complete_transfers`."""
         plan = self._open
         self._open = self._new_plan(plan.id + 1)
-        if plan.busy():
+        busy = plan.busy()
+        if busy:
             self._inflight[plan.id] = plan
         if self._tier_events:
             self._publish_tier_events()
+        if not busy:  # the common step: nothing to move; every group's (empty) entry, built once
+            quiet = self._quiet
+            if quiet is None:
+                quiet = self._quiet = plan.frozen_groups()
+            return TransferPlan(plan.id, quiet)
         return plan.frozen()
 
     def complete_transfers(

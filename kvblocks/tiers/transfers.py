@@ -136,8 +136,9 @@ def per_group(value: object, what: str, num_groups: int, default: object = None)
     previous release's form, group 0's value alone (``default`` when a mapping leaves group 0 out).
     Raises :class:`InvalidArgumentError` for a group the manager does not have. Changes nothing.
     """
-    if not isinstance(value, Mapping):
-        return value, {}
+    kind = type(value)
+    if kind is tuple or kind is list or kind is set or value is None or not isinstance(value, Mapping):
+        return value, {}  # the common forms first: an isinstance of an ABC costs more than the rest of the call
     others: dict[int, Any] = {}
     first = default
     for group, entry in value.items():

@@ -25,12 +25,9 @@ The manager is not thread-safe: call it from the scheduler's thread.
 
 from __future__ import annotations
 
-import operator
-import sys
-from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Iterator, Sequence
-from typing import ClassVar, overload
+from collections.abc import Hashable, Iterable, Sequence
+from typing import ClassVar
 
 from kvblocks.accounting import BlockLifetimes, CachedTokens, CacheStats, HitCounters
 from kvblocks.config import CacheConfig
@@ -38,12 +35,17 @@ from kvblocks.core.coordinator import GroupCoordinator
 from kvblocks.core.groups.cross_group import CrossAttentionGroup, _Cross
 from kvblocks.core.groups.local_group import LocalGroup, LocalGroupManager
 from kvblocks.core.groups.recurrent_group import RecurrentGroup, StateCopy, _Recurrent
+from kvblocks.core.integrity import check_manager_integrity, check_release_order
+from kvblocks.core.sequence import _FREED_MEMORY, _NEVER, BlockTable
+from kvblocks.core.sequence import _count_arg as _count_arg  # re-exported
+from kvblocks.core.sequence import _Sequence as _Sequence  # re-exported
+from kvblocks.core.step import run_step
+from kvblocks.core.timed_tree import _TimedTree
 from kvblocks.errors import (
     CommitOutOfRangeError,
     ConfigError,
     DoubleFreeError,
     DuplicateSequenceError,
-    IntegrityError,
     InvalidArgumentError,
     InvalidTokenError,
     SequenceStateError,
@@ -60,131 +62,11 @@ from kvblocks.hashing import (
     HashedTokens,
     Namespace,
     PrecomputedHashes,
-    pack_tokens,
 )
 from kvblocks.pool import BlockPool
 from kvblocks.radix import PrefixTree
 
 __all__ = ["BlockTable", "KVCacheManager"]
-
-_FREED_MEMORY = 8192  # how many freed ids are remembered to tell a double free from an unknown id
-_NEVER = sys.maxsize
-
-
-class BlockTable(Sequence[int]):
-    """A read-only view of a sequence's block ids, position ``i`` holding tokens ``[i*B, (i+1)*B)``.
-
-    The view follows the table while the sequence is admitted (later allocations
-    show up in it) and stops changing when the sequence is freed or preempted.
-    ``num_cached_tokens`` is the hit the admission took (all tiers): the engine computes
-    from there, whatever an earlier ``lookup`` said.
-    """
-
-    __slots__ = ("_ids", "num_cached_tokens")
-
-    def __init__(self, ids: list[int], num_cached_tokens: int = 0) -> None:
-        self._ids = ids
-        self.num_cached_tokens = num_cached_tokens
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        return self._ids[index]
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._ids)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, BlockTable):
-            return self._ids == other._ids
-        if isinstance(other, (list, tuple)):
-            return self._ids == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"BlockTable({self._ids!r})"
-
-
-class _TimedTree(PrefixTree):
-    """The device prefix tree, recording evicted blocks' lifetime and idle time when it evicts them.
-
-    A subclass rather than a hook in :meth:`KVCacheManager._take`, so that every eviction of
-    the device tier -- the tiered and disaggregated managers' own ``_take`` included -- is seen.
-    It costs nothing off the eviction path and allocates nothing per block on it: the eviction
-    policy hands over the victims' idle stamps as it drops them.
-    """
-
-    __slots__ = ("lifetimes",)
-
-    def __init__(
-        self,
-        pool: BlockPool,
-        *,
-        events: EventSink | None,
-        group: int | None = None,
-        group_kind: str | None = None,
-        block_size: int | None = None,
-    ) -> None:
-        super().__init__(pool, tier="device", events=events, group=group, group_kind=group_kind, block_size=block_size)
-        self.lifetimes = BlockLifetimes()
-
-    def _victims(self, count: int) -> list[int]:
-        pool = self.pool
-        stamps: list[float] = []  # when each victim became idle
-        evicted = pool._policy.victims(count, self._num_children, self._parent_of, stamps)
-        if evicted:
-            self.lifetimes.observe(pool.clock(), pool._taken_at, zip(evicted, stamps), len(evicted))
-        return evicted
-
-
-class _Sequence:
-    """Everything the manager keeps about one sequence. ``table is None`` means not admitted."""
-
-    __slots__ = (
-        "content",
-        "lookahead",
-        "lora_name",
-        "num_committed",
-        "num_covered",
-        "pins",
-        "preempted",
-        "skip_read",
-        "table",
-        "view",
-        "watch",
-    )
-
-    def __init__(self, content: HashedTokens | PrecomputedHashes, skip_read: bool = False) -> None:
-        self.content = content
-        self.lora_name: str | None = None  # the adapter its blocks are computed with (their events name it)
-        self.table: list[int] | None = None
-        self.view: BlockTable | None = None
-        self.pins: dict[int, int] | None = None  # position -> tree node pinned instead of a private duplicate
-        self.num_covered = 0  # tokens the table has slots for (lookahead slots not included)
-        self.lookahead = 0  # draft-token slots after num_covered; the table has ceil((covered + lookahead) / B)
-        self.num_committed = 0  # tokens whose KV is written (cached prefix included)
-        self.preempted = False
-        self.skip_read = skip_read  # never take a hit (prompt logprobs need every token computed); still writes
-        self.watch = _NEVER  # a commit reaching this many tokens must go through _commit (a subclass acts there)
-
-
-def _count_arg(value: object, what: str) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{what} must be an int, got bool")
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__}") from None
-    if number < 0:
-        raise InvalidArgumentError(f"{what} must be >= 0, got {number}")
-    return number
 
 
 class KVCacheManager:
@@ -901,102 +783,7 @@ class KVCacheManager:
         may be sent again, e.g. after preempting another sequence). Bad input anywhere in the batch
         raises before anything changes. Same rules, same results as the per-sequence calls.
         """
-        count = len(seq_ids)
-        commits = self._column(num_computed_tokens, count, "num_computed_tokens", None)
-        news = self._column(num_new_tokens, count, "num_new_tokens", 1)
-        drafts = self._column(num_lookahead_tokens, count, "num_lookahead_tokens", 0)
-        appends: Sequence[Iterable[int] | None] = (None,) * count if new_token_ids is None else new_token_ids
-        if len(appends) != count:
-            raise InvalidArgumentError(f"new_token_ids has {len(appends)} entries for {count} sequences")
-        seqs = self._seqs
-        try:
-            batch = [seqs[seq_id] for seq_id in seq_ids]
-        except (KeyError, TypeError):
-            for seq_id in seq_ids:
-                self._get(seq_id)  # raises the precise error
-            raise  # pragma: no cover - one of them raised
-        if len(set(map(id, batch))) != count:
-            raise InvalidArgumentError("a sequence appears twice in one step")
-        hooked = self._guards_changes
-        # 1. validate every entry: nothing changes unless the whole batch is sound
-        plan = []
-        for seq_id, s, n, tokens, new, k in zip(seq_ids, batch, commits, appends, news, drafts, strict=True):
-            packed: array[int] | None = None
-            appended = 0
-            if tokens is not None:
-                if type(tokens) is tuple or type(tokens) is list:  # the common shapes, packed in C
-                    try:
-                        packed = array("I", tokens)
-                    except (OverflowError, TypeError):
-                        packed = pack_tokens(tokens)  # raises, naming the bad position
-                else:
-                    packed = pack_tokens(tokens)
-                appended = len(packed)
-                if not appended:
-                    packed = None
-                elif type(s.content) is PrecomputedHashes:
-                    raise SequenceStateError(f"sequence {seq_id!r} was registered by block hashes; no tokens")
-            committed = s.num_committed
-            if n is None:
-                n = committed
-            elif type(n) is not int:
-                n = _count_arg(n, "num_computed_tokens")
-            slots = s.num_covered
-            if (
-                hooked
-                or s.table is None
-                or not committed <= n <= slots + s.lookahead
-                or n > s.content.num_tokens + appended
-            ):
-                self._check_commit(seq_id, s, n, appended)
-            if type(new) is not int or new < 0:
-                new = _count_arg(new, "num_new_tokens")
-            if type(k) is not int or k < 0:
-                k = _count_arg(k, "num_lookahead_tokens")
-            covered = n + new
-            plan.append((seq_id, s, n, packed, covered if covered > slots else slots, k))
-        # 2. apply, sequence by sequence; one that cannot get its slots is left as it was
-        failed: list[Hashable] = []
-        size = self._block_size
-        pool = self._pool
-        for seq_id, s, n, packed, covered, k in plan:
-            need = (covered + k + size - 1) // size - len(s.table)
-            if need > 0 and not self._room_to_grow(s, need):
-                failed.append(seq_id)  # nothing changed for it
-                continue
-            committed = s.num_committed
-            content = s.content
-            if packed is not None:
-                known = content.num_tokens
-                content.extend_packed(packed)
-            if n != committed:
-                if n // size == committed // size and n <= s.num_covered and n < s.watch:
-                    s.num_committed = n  # no block newly full, nothing watched: nothing enters the tree
-                else:
-                    pinned = self._idle_duplicates(s, committed // size, n // size)
-                    if pinned and max(need, 0) + pinned > pool.num_free:  # its commit would take the room
-                        if packed is not None:
-                            content.truncate(known)
-                        failed.append(seq_id)  # nothing changed for it
-                        continue
-                    self._commit(s, n)
-            if not need:  # the common case: the table already has the slots
-                s.num_covered = covered
-                s.lookahead = k
-            else:
-                self._grow(s, max(covered, s.num_covered), k)  # fits: checked above, pins included
-        return failed
-
-    @staticmethod
-    def _column(values: object, count: int, what: str, default: object) -> list:  # type: ignore[type-arg]
-        """One value per sequence: a sequence of ``count`` values, or one value for all."""
-        if values is None:
-            return [default] * count
-        if isinstance(values, (list, tuple)):
-            if len(values) != count:
-                raise InvalidArgumentError(f"{what} has {len(values)} entries for {count} sequences")
-            return values  # type: ignore[return-value]
-        return [values] * count
+        return run_step(self, seq_ids, num_computed_tokens, new_token_ids, num_new_tokens, num_lookahead_tokens)
 
     def _pin_duplicates(self, s: _Sequence, start: int, existing: list[int]) -> None:
         table = s.table
@@ -1110,56 +897,7 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Raise :class:`IntegrityError` on any broken invariant of the pool, the tree or the sequences."""
-        pool = self._pool
-        tree = self._tree
-        pool.check_integrity()
-        tree.check_integrity()
-        size = self._block_size
-        expected = [0] * pool.num_blocks
-        for seq_id, s in self._seqs.items():
-            table = s.table
-            if table is None:
-                if s.pins or s.num_covered or s.num_committed or s.lookahead:
-                    raise IntegrityError(f"sequence {seq_id!r} is not admitted but carries table state")
-                continue
-            hashes = s.content.hashes
-            if len(table) != -(-(s.num_covered + s.lookahead) // size):
-                raise IntegrityError(
-                    f"sequence {seq_id!r}: {len(table)} blocks for {s.num_covered} tokens + {s.lookahead} lookahead"
-                )
-            if len(set(table)) != len(table):
-                raise IntegrityError(f"sequence {seq_id!r} holds a block twice: {table}")
-            if not s.num_committed <= min(s.num_covered, s.content.num_tokens):
-                raise IntegrityError(f"sequence {seq_id!r} committed {s.num_committed} beyond its tokens or slots")
-            registered = s.num_committed // size if self._caching else 0  # blocks the tree must hold for it
-            pins = s.pins or {}
-            for position, block in enumerate(table):
-                expected[block] += 1
-                pinned = pins.get(position)
-                if pinned is not None:
-                    expected[pinned] += 1
-                if position < registered:
-                    node = tree.block_of(hashes[position])
-                    if node is None or node != (block if pinned is None else pinned):
-                        raise IntegrityError(f"sequence {seq_id!r} position {position}: cached node is {node}")
-            if any(p >= registered for p in pins):
-                raise IntegrityError(f"sequence {seq_id!r} pins a position beyond its registered blocks")
-        self._count_other_holders(expected)
-        for block in range(pool.num_blocks):
-            if pool.ref_count(block) != expected[block]:
-                raise IntegrityError(
-                    f"block {block} has ref count {pool.ref_count(block)} but {expected[block]} holders"
-                )
-        self._check_release_order()
-        groups = self._coordinator
-        if groups is not None:
-            live = {
-                id(s): (seq_id, len(s.table), self._window_tokens(s))
-                for seq_id, s in self._seqs.items()
-                if s.table is not None
-            }
-            known = {id(s) for s in self._seqs.values()}
-            groups.check_integrity(live, self._count_other_local_holders, known)
+        check_manager_integrity(self)
 
     def _window_tokens(self, s: _Sequence) -> int:
         """The token the windows of ``s`` are placed at: its committed line (a decode node receiving a
@@ -1176,17 +914,7 @@ class KVCacheManager:
     def _check_release_order(self) -> None:
         """A node in use has its parent in use; with LRU, an idle node was released before its idle parent
         (another policy's order is its own: it keeps a blocked parent until its children are gone)."""
-        pool = self._pool
-        tree = self._tree
-        position = {b: i for i, b in enumerate(pool.idle_order())} if pool.eviction == "lru" else {}
-        for b in range(pool.num_blocks):
-            parent = tree.parent_of(b) if tree.hash_of(b) is not None else None
-            if parent is None:
-                continue
-            if pool.ref_count(b) and not pool.ref_count(parent):
-                raise IntegrityError(f"cached block {b} is in use but its parent {parent} is not")
-            if b in position and parent in position and position[parent] < position[b]:
-                raise IntegrityError(f"idle block {parent} was released before its idle child {b}")
+        check_release_order(self)
 
     # ------------------------------------------------------------------ internals
 

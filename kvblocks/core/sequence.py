@@ -1,0 +1,101 @@
+"""A sequence's state in the manager, its block-table view and the count-argument check (moved from
+:mod:`kvblocks.manager`, which still exports them)."""
+
+from __future__ import annotations
+
+import operator
+import sys
+from collections.abc import Iterator, Sequence
+from typing import overload
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.hashing import HashedTokens, PrecomputedHashes
+
+__all__ = ["BlockTable"]
+
+_FREED_MEMORY = 8192  # how many freed ids are remembered to tell a double free from an unknown id
+_NEVER = sys.maxsize
+
+
+class BlockTable(Sequence[int]):
+    """A read-only view of a sequence's block ids, position ``i`` holding tokens ``[i*B, (i+1)*B)``.
+
+    The view follows the table while the sequence is admitted (later allocations
+    show up in it) and stops changing when the sequence is freed or preempted.
+    ``num_cached_tokens`` is the hit the admission took (all tiers): the engine computes
+    from there, whatever an earlier ``lookup`` said.
+    """
+
+    __slots__ = ("_ids", "num_cached_tokens")
+
+    def __init__(self, ids: list[int], num_cached_tokens: int = 0) -> None:
+        self._ids = ids
+        self.num_cached_tokens = num_cached_tokens
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self._ids[index]
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlockTable):
+            return self._ids == other._ids
+        if isinstance(other, (list, tuple)):
+            return self._ids == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"BlockTable({self._ids!r})"
+
+
+class _Sequence:
+    """Everything the manager keeps about one sequence. ``table is None`` means not admitted."""
+
+    __slots__ = (
+        "content",
+        "lookahead",
+        "lora_name",
+        "num_committed",
+        "num_covered",
+        "pins",
+        "preempted",
+        "skip_read",
+        "table",
+        "view",
+        "watch",
+    )
+
+    def __init__(self, content: HashedTokens | PrecomputedHashes, skip_read: bool = False) -> None:
+        self.content = content
+        self.lora_name: str | None = None  # the adapter its blocks are computed with (their events name it)
+        self.table: list[int] | None = None
+        self.view: BlockTable | None = None
+        self.pins: dict[int, int] | None = None  # position -> tree node pinned instead of a private duplicate
+        self.num_covered = 0  # tokens the table has slots for (lookahead slots not included)
+        self.lookahead = 0  # draft-token slots after num_covered; the table has ceil((covered + lookahead) / B)
+        self.num_committed = 0  # tokens whose KV is written (cached prefix included)
+        self.preempted = False
+        self.skip_read = skip_read  # never take a hit (prompt logprobs need every token computed); still writes
+        self.watch = _NEVER  # a commit reaching this many tokens must go through _commit (a subclass acts there)
+
+
+def _count_arg(value: object, what: str) -> int:
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{what} must be an int, got bool")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__}") from None
+    if number < 0:
+        raise InvalidArgumentError(f"{what} must be >= 0, got {number}")
+    return number

@@ -1,0 +1,120 @@
+"""The batched scheduling step of :meth:`kvblocks.manager.KVCacheManager.step` (see its docstring)."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+from kvblocks.core.sequence import _count_arg
+from kvblocks.errors import InvalidArgumentError, SequenceStateError
+from kvblocks.hashing import PrecomputedHashes, pack_tokens
+
+__all__ = ["run_step"]
+
+
+def run_step(
+    manager: Any,
+    seq_ids: Sequence[Hashable],
+    num_computed_tokens: Sequence[int | None] | None,
+    new_token_ids: Sequence[Iterable[int] | None] | None,
+    num_new_tokens: int | Sequence[int],
+    num_lookahead_tokens: int | Sequence[int],
+) -> list[Hashable]:
+    """:meth:`KVCacheManager.step`'s body: ``manager.step(...)`` is the documented entry."""
+    count = len(seq_ids)
+    commits = _column(num_computed_tokens, count, "num_computed_tokens", None)
+    news = _column(num_new_tokens, count, "num_new_tokens", 1)
+    drafts = _column(num_lookahead_tokens, count, "num_lookahead_tokens", 0)
+    appends: Sequence[Iterable[int] | None] = (None,) * count if new_token_ids is None else new_token_ids
+    if len(appends) != count:
+        raise InvalidArgumentError(f"new_token_ids has {len(appends)} entries for {count} sequences")
+    seqs = manager._seqs
+    try:
+        batch = [seqs[seq_id] for seq_id in seq_ids]
+    except (KeyError, TypeError):
+        for seq_id in seq_ids:
+            manager._get(seq_id)  # raises the precise error
+        raise  # pragma: no cover - one of them raised
+    if len(set(map(id, batch))) != count:
+        raise InvalidArgumentError("a sequence appears twice in one step")
+    hooked = manager._guards_changes
+    # 1. validate every entry: nothing changes unless the whole batch is sound
+    plan = []
+    for seq_id, s, n, tokens, new, k in zip(seq_ids, batch, commits, appends, news, drafts, strict=True):
+        packed: array[int] | None = None
+        appended = 0
+        if tokens is not None:
+            if type(tokens) is tuple or type(tokens) is list:  # the common shapes, packed in C
+                try:
+                    packed = array("I", tokens)
+                except (OverflowError, TypeError):
+                    packed = pack_tokens(tokens)  # raises, naming the bad position
+            else:
+                packed = pack_tokens(tokens)
+            appended = len(packed)
+            if not appended:
+                packed = None
+            elif type(s.content) is PrecomputedHashes:
+                raise SequenceStateError(f"sequence {seq_id!r} was registered by block hashes; no tokens")
+        committed = s.num_committed
+        if n is None:
+            n = committed
+        elif type(n) is not int:
+            n = _count_arg(n, "num_computed_tokens")
+        slots = s.num_covered
+        if (
+            hooked
+            or s.table is None
+            or not committed <= n <= slots + s.lookahead
+            or n > s.content.num_tokens + appended
+        ):
+            manager._check_commit(seq_id, s, n, appended)
+        if type(new) is not int or new < 0:
+            new = _count_arg(new, "num_new_tokens")
+        if type(k) is not int or k < 0:
+            k = _count_arg(k, "num_lookahead_tokens")
+        covered = n + new
+        plan.append((seq_id, s, n, packed, covered if covered > slots else slots, k))
+    # 2. apply, sequence by sequence; one that cannot get its slots is left as it was
+    failed: list[Hashable] = []
+    size = manager._block_size
+    pool = manager._pool
+    for seq_id, s, n, packed, covered, k in plan:
+        need = (covered + k + size - 1) // size - len(s.table)
+        if need > 0 and not manager._room_to_grow(s, need):
+            failed.append(seq_id)  # nothing changed for it
+            continue
+        committed = s.num_committed
+        content = s.content
+        if packed is not None:
+            known = content.num_tokens
+            content.extend_packed(packed)
+        if n != committed:
+            if n // size == committed // size and n <= s.num_covered and n < s.watch:
+                s.num_committed = n  # no block newly full, nothing watched: nothing enters the tree
+            else:
+                pinned = manager._idle_duplicates(s, committed // size, n // size)
+                if pinned and max(need, 0) + pinned > pool.num_free:  # its commit would take the room
+                    if packed is not None:
+                        content.truncate(known)
+                    failed.append(seq_id)  # nothing changed for it
+                    continue
+                manager._commit(s, n)
+        if not need:  # the common case: the table already has the slots
+            s.num_covered = covered
+            s.lookahead = k
+        else:
+            manager._grow(s, max(covered, s.num_covered), k)  # fits: checked above, pins included
+    return failed
+
+
+def _column(values: object, count: int, what: str, default: object) -> list:  # type: ignore[type-arg]
+    """One value per sequence: a sequence of ``count`` values, or one value for all."""
+    if values is None:
+        return [default] * count
+    if isinstance(values, (list, tuple)):
+        if len(values) != count:
+            raise InvalidArgumentError(f"{what} has {len(values)} entries for {count} sequences")
+        return values  # type: ignore[return-value]
+    return [values] * count

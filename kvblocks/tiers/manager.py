@@ -35,122 +35,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Hashable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from types import TracebackType
 from typing import TypeVar
 
+import kvblocks.tiers.completion as _completion
 from kvblocks.accounting import CachedTokens
 from kvblocks.config import CacheConfig
-from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, SequenceStateError
+from kvblocks.errors import ConfigError, SequenceStateError
 from kvblocks.events import BlockStored, EventSink
 from kvblocks.eviction import DEFAULT_EVICTION
 from kvblocks.hashing import DEFAULT_SCHEME, BlockHash, Namespace
 from kvblocks.manager import BlockTable, KVCacheManager, _count_arg, _Sequence
+from kvblocks.tiers.admission_state import TierStats, _Counts
+from kvblocks.tiers.admission_state import _Admission as _Admission  # re-exported: kvblocks.hybrid.tiers
+from kvblocks.tiers.admission_state import _Plan as _Plan
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.host import HostTier
-from kvblocks.tiers.storage_tier import LoadOutcome, StorageTier, StorageTierStats
-from kvblocks.tiers.transfers import AdmittedTable, BlockSave, GroupTransfers, LoadResult, TransferPlan, per_group
-from kvblocks.tiers.writer import WriterStats
+from kvblocks.tiers.storage_tier import LoadOutcome, StorageTier
+from kvblocks.tiers.transfers import AdmittedTable, BlockSave, GroupTransfers, LoadResult, TransferPlan
 
 _Manager = TypeVar("_Manager", bound="TieredKVCacheManager")
 
 __all__ = ["TierStats", "TieredKVCacheManager"]
-
-
-@dataclass(frozen=True)
-class TierStats:
-    """A snapshot of the tiers' counters (blocks) next to :attr:`KVCacheManager.stats`."""
-
-    host_blocks: int
-    host_blocks_cached: int
-    host_evicted: int
-    swap_outs: int
-    swap_out_failures: int
-    swap_ins: int
-    swap_in_failures: int
-    write_backs_without_host_room: int
-    saves_planned: int
-    saves_without_payload: int
-    storage: StorageTierStats | None
-    writer: WriterStats | None
-
-
-@dataclass
-class _Counts:
-    swap_outs: int = 0
-    swap_out_failures: int = 0
-    swap_ins: int = 0
-    swap_in_failures: int = 0
-    write_backs_without_host_room: int = 0
-    saves_planned: int = 0
-    saves_without_payload: int = 0
-
-
-class _Admission:
-    """An admitted sequence whose cached prefix beyond the device is still being copied in."""
-
-    __slots__ = (
-        "cancelled",
-        "deadline",
-        "device",
-        "host_blocks",
-        "load_plan",
-        "load_request",
-        "loads_ok",
-        "num_loads",
-        "readmission",
-        "seq",
-        "seq_id",
-        "swap_plan",
-        "swaps_ok",
-    )
-
-    def __init__(self, seq_id: Hashable, seq: _Sequence, device: int, host_blocks: list[int], num_loads: int) -> None:
-        self.seq_id = seq_id
-        self.seq = seq
-        self.device = device  # leading blocks already device-resident
-        self.host_blocks = host_blocks  # swap-in sources, in table order after the device blocks
-        self.num_loads = num_loads  # blocks read from storage after those
-        self.readmission = seq.preempted
-        self.swap_plan = -1
-        self.swaps_ok: int | None = None if host_blocks else 0
-        self.load_request = -1
-        self.load_plan = -1
-        self.deadline = 0.0
-        self.loads_ok: int | None = None if num_loads else 0
-        self.cancelled = False
-
-
-class _Plan:
-    """The mutable plan of one step (open while scheduling, in flight once taken)."""
-
-    __slots__ = ("deferred", "id", "queued", "saves", "swap_ins", "swap_outs")
-
-    def __init__(self, plan_id: int) -> None:
-        self.id = plan_id
-        self.saves: list[BlockSave] = []
-        self.swap_outs: list[tuple[int, int, BlockHash]] = []  # device, host, hash
-        self.swap_ins: list[tuple[int, int, _Admission]] = []  # host, device, admission
-        self.deferred: list[list[int]] = []  # device release orders to run when the plan completes
-        self.queued: set[BlockHash] = set()  # hashes with a save in this plan
-
-    def busy(self) -> bool:
-        """Whether completing this plan changes anything (else it is never tracked as in flight)."""
-        return bool(self.saves or self.swap_outs or self.swap_ins or self.deferred)
-
-    def frozen(self) -> TransferPlan:
-        return TransferPlan(self.id, self.frozen_groups())
-
-    def frozen_groups(self) -> tuple[GroupTransfers, ...]:
-        """Group 0's copies (a hybrid plan adds its local groups')."""
-        return (
-            GroupTransfers(
-                0,
-                tuple((d, h) for d, h, _ in self.swap_outs),
-                tuple((h, d) for h, d, _ in self.swap_ins),
-                tuple(self.saves),
-            ),
-        )
 
 
 class TieredKVCacheManager(KVCacheManager):
@@ -534,26 +441,7 @@ class TieredKVCacheManager(KVCacheManager):
 
     def _cancel_admission(self, s: _Sequence) -> _Plan | None:
         """Forget a pending admission; returns the in-flight plan still copying into its blocks, if any."""
-        admission = self._admissions.pop(id(s), None)
-        if admission is None:
-            return None
-        admission.cancelled = True
-        if self._loads.pop(admission.load_request, None) is not None:
-            self._storage.cancel(admission.load_request)  # type: ignore[union-attr]
-        size = self._block_size
-        self._admitted(
-            admission.seq_id,
-            CachedTokens(device=admission.device * size, num_prompt_tokens=s.content.num_tokens),
-            admission.readmission,
-        )
-        if admission.swaps_ok is not None:
-            return None
-        if admission.swap_plan == self._open.id:  # not handed out yet: drop its swap-ins
-            plan = self._open
-            plan.swap_ins = [entry for entry in plan.swap_ins if entry[2] is not admission]
-            self._host.release(admission.host_blocks)  # type: ignore[union-attr]
-            return None
-        return self._inflight[admission.swap_plan]
+        return _completion.cancel_admission(self, s)
 
     # ------------------------------------------------------------------ transfers
 
@@ -563,19 +451,7 @@ class TieredKVCacheManager(KVCacheManager):
 
     def take_transfers(self) -> TransferPlan:
         """The copies this step's scheduling calls planned; run them in order, then :meth:`complete_transfers`."""
-        plan = self._open
-        self._open = self._new_plan(plan.id + 1)
-        busy = plan.busy()
-        if busy:
-            self._inflight[plan.id] = plan
-        if self._tier_events:
-            self._publish_tier_events()
-        if not busy:  # the common step: nothing to move; every group's (empty) entry, built once
-            quiet = self._quiet
-            if quiet is None:
-                quiet = self._quiet = plan.frozen_groups()
-            return TransferPlan(plan.id, quiet)
-        return plan.frozen()
+        return _completion.take_transfers(self)
 
     def complete_transfers(
         self,
@@ -594,67 +470,13 @@ class TieredKVCacheManager(KVCacheManager):
         computes those tokens; a failed swap-out host block becomes free. (Group 0's figures given
         bare, not in a mapping, are the previous release's form, still taken.)
         """
-        saved_0: Sequence[object] | None
-        saved_0, _ = per_group(saved, "saved", 1)
-        failed_swap_ins, _ = per_group(failed_swap_ins, "failed_swap_ins", 1, ())
-        failed_swap_outs, _ = per_group(failed_swap_outs, "failed_swap_outs", 1, ())
-        failed_in = set(failed_swap_ins)
-        failed_out = set(failed_swap_outs)
-        state = self._completing(plan, failed_in, failed_out)
-        if state is None:
-            return
-        storage = self._storage
-        if saved_0 is not None and state.saves:
-            storage.save([save.block_hash for save in state.saves], saved_0)  # type: ignore[union-attr]  # validates first
-        elif state.saves:
-            self._counts.saves_without_payload += len(state.saves)
-        del self._inflight[plan.id]
-        counts = self._counts
-        host = self._host
-        for _, host_block, block_hash in state.swap_outs:
-            ok = host_block not in failed_out
-            host.complete(block_hash, host_block, ok)  # type: ignore[union-attr]
-            counts.swap_outs += int(ok)
-            counts.swap_out_failures += int(not ok)
-        if state.swap_ins:
-            host.release([h for h, _, _ in state.swap_ins])  # type: ignore[union-attr]
-            leading: dict[_Admission, int] = {}  # swap-ins that succeeded before the first failure
-            broken: set[_Admission] = set()
-            for _, device_block, admission in state.swap_ins:
-                leading.setdefault(admission, 0)
-                if device_block in failed_in:
-                    broken.add(admission)
-                    counts.swap_in_failures += 1
-                elif admission not in broken:
-                    leading[admission] += 1
-                    counts.swap_ins += 1
-            for admission, run in leading.items():
-                if not admission.cancelled:
-                    admission.swaps_ok = run
-                    self._finish(admission)
-        for order in state.deferred:
-            self._pool._release_valid(order)
-        if self._tier_events:
-            self._publish_tier_events()
+        _completion.complete_transfers(
+            self, plan, saved=saved, failed_swap_ins=failed_swap_ins, failed_swap_outs=failed_swap_outs
+        )
 
     def _completing(self, plan: TransferPlan, failed_in: set[int], failed_out: set[int]) -> _Plan | None:
         """The in-flight state of ``plan`` once its failure lists are checked (None: an empty plan). Changes nothing."""
-        if not isinstance(plan, TransferPlan):
-            raise InvalidArgumentError(f"expected a TransferPlan, got {type(plan).__name__}")
-        state = self._inflight.get(plan.id)
-        if state is None:
-            if not plan:
-                if failed_in or failed_out:
-                    raise InvalidArgumentError(
-                        f"failed blocks {sorted(failed_in | failed_out)} named for an empty plan: it moves nothing"
-                    )
-                return None
-            raise InvalidArgumentError(f"transfer plan {plan.id} is unknown or already completed")
-        if not failed_in <= {d for _, d, _ in state.swap_ins}:
-            raise InvalidArgumentError(f"failed_swap_ins {sorted(failed_in)} are not swap-in targets of this plan")
-        if not failed_out <= {h for _, h, _ in state.swap_outs}:
-            raise InvalidArgumentError(f"failed_swap_outs {sorted(failed_out)} are not swap-out targets of this plan")
-        return state
+        return _completion.completing(self, plan, failed_in, failed_out)
 
     def poll_loads(self) -> list[LoadResult]:
         """Storage reads that finished (or timed out) since the last poll. Never waits.
@@ -662,44 +484,10 @@ class TieredKVCacheManager(KVCacheManager):
         A read is reported only once the plan of the step that admitted its sequence was
         taken, so a block evicted in that step is saved before a load overwrites it.
         """
-        storage = self._storage
-        if storage is None:
-            return []
-        results: list[LoadResult] = []
-        held, self._held_results = self._held_results, []
-        taken = self._open.id  # plans with a smaller id were handed out
-        for request, outcome in held + storage.take_results():
-            admission = self._loads.get(request)
-            if admission is None:
-                continue  # cancelled or timed out: its blocks may belong to someone else now
-            if admission.load_plan >= taken:
-                self._held_results.append((request, outcome))
-                continue
-            del self._loads[request]
-            results.append(self._loaded(admission, outcome, timed_out=False))
-        now = time.monotonic()
-        for request, admission in list(self._loads.items()):
-            if admission.deadline <= now and admission.load_plan < taken:
-                del self._loads[request]
-                storage.cancel(request)
-                storage.note_timeout(admission.num_loads)
-                results.append(self._loaded(admission, LoadOutcome(()), timed_out=True))
-        if self._tier_events:
-            self._publish_tier_events()
-        return results
+        return _completion.poll_loads(self)
 
     def _loaded(self, admission: _Admission, outcome: LoadOutcome, *, timed_out: bool) -> LoadResult:
-        ok = len(outcome.payloads)
-        admission.loads_ok = ok
-        payloads = outcome.payloads
-        if self._loads_useless(admission):
-            payloads = ()  # the run broke before the stored blocks: they are of no use
-        start = admission.device + len(admission.host_blocks)
-        table = admission.seq.table
-        blocks = tuple(table[start : start + len(payloads)])  # type: ignore[index]
-        result = LoadResult(admission.seq_id, blocks, payloads, admission.num_loads, timed_out)
-        self._finish(admission)
-        return result
+        return _completion.loaded(self, admission, outcome, timed_out=timed_out)
 
     def _loads_useless(self, admission: _Admission) -> bool:
         """Whether a copy reported already broke the hit before the admission's stored blocks."""
@@ -707,35 +495,7 @@ class TieredKVCacheManager(KVCacheManager):
 
     def _finish(self, admission: _Admission) -> None:
         """Both copies are settled: the usable leading run becomes committed, the rest goes back to the pool."""
-        if admission.swaps_ok is None or admission.loads_ok is None:
-            return
-        if not self._settled(admission):
-            return
-        s = admission.seq
-        del self._admissions[id(s)]
-        size = self._block_size
-        valid = self._usable_hit(admission)
-        device = min(admission.device, valid)
-        host_ok = min(len(admission.host_blocks), valid - device)
-        self._admitted(
-            admission.seq_id,
-            CachedTokens(
-                device=device * size,
-                host=host_ok * size,
-                storage=(valid - device - host_ok) * size,
-                num_prompt_tokens=s.content.num_tokens,
-            ),
-            admission.readmission,
-        )
-        table = s.table
-        if table is None:
-            raise IntegrityError(f"pending admission of {admission.seq_id!r} lost its table")
-        if valid < admission.device + len(admission.host_blocks) + admission.num_loads:
-            self._cut_back(s, valid)
-        if valid > admission.device:
-            KVCacheManager.commit(self, admission.seq_id, valid * size)
-            if self._host_write_through or self._storage_write_through:
-                self._committed(s, admission.device, valid)
+        _completion.finish(self, admission)
 
     def _settled(self, admission: _Admission) -> bool:
         """Whether every copy of ``admission`` has been reported (it can finish)."""
@@ -750,13 +510,7 @@ class TieredKVCacheManager(KVCacheManager):
     def _cut_back(self, s: _Sequence, valid: int) -> None:
         """A copy failed: the table keeps its first ``valid`` blocks, the rest (never committed) go back to the
         pool and the sequence allocates its remaining tokens again (draft slots included)."""
-        table: list[int] = s.table  # type: ignore[assignment]
-        dropped = table[valid:]
-        del table[valid:]
-        self._pool._release_valid(reversed(dropped))  # never committed: back to the fresh queue
-        s.num_covered = valid * self._block_size
-        s.num_committed = min(s.num_committed, s.num_covered)
-        s.lookahead = 0
+        _completion.cut_back(self, s, valid)
 
     # ------------------------------------------------------------------ events
 
@@ -840,30 +594,4 @@ class TieredKVCacheManager(KVCacheManager):
 
     def _check_tiers(self) -> None:
         """The host tier, the plans and the pending admissions agree (group 0's part of a hybrid manager)."""
-        plans = (self._open, *self._inflight.values())
-        host = self._host
-        if host is not None:
-            host.check_integrity()
-            holders = [0] * host.pool.num_blocks
-            for plan in plans:
-                for host_block, _, _ in plan.swap_ins:
-                    holders[host_block] += 1
-                for _, host_block, _ in plan.swap_outs:
-                    holders[host_block] += 1
-            for b, count in enumerate(holders):
-                if host.pool.ref_count(b) != count:
-                    raise IntegrityError(f"host block {b} has ref count {host.pool.ref_count(b)} but {count} holders")
-        elif any(plan.swap_ins or plan.swap_outs for plan in plans):
-            raise IntegrityError("a plan moves blocks to or from a host tier that does not exist")
-        for admission in self._admissions.values():
-            s = admission.seq
-            table = s.table
-            stop = admission.device + len(admission.host_blocks) + admission.num_loads
-            if table is None or len(table) < stop or admission.cancelled:
-                raise IntegrityError(f"pending admission of {admission.seq_id!r} lost its blocks")
-            if s.num_committed != admission.device * self._block_size:
-                raise IntegrityError(f"sequence {admission.seq_id!r} committed past its pending copies")
-            hashes = s.content.hashes
-            for position in range(admission.device, stop):
-                if self._tree.block_of(hashes[position]) == table[position]:
-                    raise IntegrityError(f"block {table[position]} is matchable before its copy completed")
+        _completion.check_tiers(self)

@@ -1,8 +1,11 @@
 """The cache's core: what every manager is composed of.
 
-Today it holds the group kinds (:mod:`kvblocks.core.groups`): what each kind of layer group
-(full attention, sliding window, chunked local, recurrent state, cross-attention) needs for a
-prefix hit and which blocks a running sequence of that kind needs and may release. The pool,
-prefix tree, sequence state, coordinator and manager move here as the composed manager lands
-(see docs/architecture.md).
+* :mod:`kvblocks.core.groups`: the layer-group kinds (their rules, a registry) and the group managers
+  beside full attention (local, recurrent, cross-attention) with their index and hit rules.
+* :mod:`kvblocks.core.coordinator`: the groups beside full attention and the rules that span them.
+* :mod:`kvblocks.core.sequence`, :mod:`~kvblocks.core.timed_tree`, :mod:`~kvblocks.core.step`,
+  :mod:`~kvblocks.core.integrity`: a sequence's state, the device tree that records lifetimes, the batched
+  step and the manager's integrity checks, which :class:`~kvblocks.manager.KVCacheManager` calls.
+
+The pool, prefix tree and manager move here as the composed manager lands (see docs/architecture.md).
 """

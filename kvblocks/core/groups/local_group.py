@@ -18,15 +18,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvblocks.core.groups.block_index import FlatBlockIndex
 from kvblocks.core.groups.hits import GroupHitRule, needed_blocks
+from kvblocks.core.groups.protocol import Ask, GroupCopies
 from kvblocks.core.groups.registry import GROUP_KIND_RULES, kind_rules
+from kvblocks.core.groups.sources import DEVICE, HOST, REMOTE, STORED, take_blocks
 from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
+
+if TYPE_CHECKING:  # annotations only: tiers sit above the groups
+    from kvblocks.tiers.stack import TierStack
+
+_Sources = tuple[int, list[tuple[int, int, int]], "Sequence[int] | None"]
 
 __all__ = ["PLACEHOLDER", "LocalGroup", "LocalGroupManager"]
 
@@ -84,8 +91,8 @@ class _EveryNth(Sequence[BlockHash]):
 class LocalGroupManager:
     """A local group: its rule, pool, index and the tables of admitted sequences (keyed by ``id(sequence)``).
 
-    ``take_blocks(count)`` is how it gets new blocks: its own :meth:`take` (evicting idle cached ones), or
-    what a tier stack puts there (the same, writing the evicted blocks back).
+    ``tiers`` (None: none) is the group's :class:`~kvblocks.tiers.stack.TierStack`: the blocks its index
+    evicts move down to it, and it serves hits beside the device.
     """
 
     __slots__ = (
@@ -99,7 +106,7 @@ class LocalGroupManager:
         "rule",
         "span",
         "tables",
-        "take_blocks",
+        "tiers",
     )
 
     def __init__(self, group: LocalGroup, chain_block_size: int, number: int, events: EventSink | None) -> None:
@@ -118,7 +125,7 @@ class LocalGroupManager:
         self.index = FlatBlockIndex(self.pool, events=events, group=number, group_kind=self.kind.event_name)
         self.tables: dict[int, list[int]] = {}  # id(_Sequence) -> table
         self.released: dict[int, int] = {}  # id(_Sequence) -> leading positions already released
-        self.take_blocks: Callable[[int], list[int]] = self.take
+        self.tiers: TierStack | None = None
 
     # ------------------------------------------------------------------ formulas
 
@@ -139,11 +146,8 @@ class LocalGroupManager:
         return self.kind.next_move(next_token, self.block_size, self.span)
 
     def take(self, count: int) -> list[int]:
-        pool = self.pool
-        short = count - pool.num_fresh
-        if short > 0:
-            self.index.evict(short)
-        return pool.take_fresh(count)
+        """``count`` fresh blocks, evicting idle cached ones (written back when the group has tiers)."""
+        return take_blocks(self.pool, self.index, self.tiers, count)
 
     # ------------------------------------------------------------------ hits
 
@@ -157,6 +161,17 @@ class LocalGroupManager:
             return position < count and keys[position] in block_of
 
         return cached
+
+    def held(self, hashes: Sequence[BlockHash]) -> Callable[[int], bool]:
+        """Whether block position ``p`` is on device or in the group's tiers (a hit through tiers). Pure."""
+        tiers = self.tiers
+        if tiers is None:
+            return self.served(hashes)
+        keys = self.keys(hashes)
+        count = len(keys)
+        block_of = self.index._block_of
+        holds = tiers.holds
+        return lambda position: position < count and (keys[position] in block_of or holds(keys[position]))
 
     def hit_blocks(self, hashes: Sequence[BlockHash], hit_tokens: int) -> list[int] | None:
         """The blocks a hit at ``hit_tokens`` keeps (those its window needs there), or None when the group
@@ -172,30 +187,103 @@ class LocalGroupManager:
 
     # ------------------------------------------------------------------ admission and growth
 
-    def admission(
-        self, hashes: Sequence[BlockHash], hits: int, total: int, hit_tokens: int, encoder: int
-    ) -> tuple[int, Any] | None:
-        """(blocks short, what :meth:`take_admission` needs) for an admission of ``hits`` cached chain blocks
-        (``hit_tokens`` tokens) growing to ``total`` chain blocks; None when the group no longer holds what the
-        hit needs. Pure. Every group kind answers it: the manager asks every group, then every group takes."""
-        kept = self.hit_blocks(hashes, hit_tokens)
-        if kept is None:
-            return None
-        pool = self.pool
-        need = self.blocks_for(total) - hits // self.ratio
-        return need - (pool.num_free - pool.count_idle(kept)), kept
+    def admission(self, ask: Ask, remote: Sequence[int] | None) -> tuple[int, Any] | None:
+        """(blocks short, what :meth:`take_admission` needs); None when the group no longer holds what the hit
+        needs (on device, or in its tiers). Pure. Every group kind answers it: the manager asks every group,
+        then every group takes.
 
-    def take_admission(self, key: int, hits: int, total: int, hit_tokens: int, kept: list[int]) -> None:
-        """Keep the window blocks the hit needs, take the new ones (the caller checked the room)."""
-        self.pool._acquire_valid(kept)
-        cached = hits // self.ratio  # a hit ends on a boundary of every group (hit_step)
-        first = cached - len(kept)
-        table = [PLACEHOLDER] * first + kept
-        new = self.blocks_for(total) - cached
-        if new:
-            table += self.take_blocks(new)
+        The window is placed at ``ask.window_token``: its positions below the hit are kept (on device),
+        copied in (host, storage) or, for a handoff (``remote``: the group's table on the prefill node),
+        copied from the prefill node where this node does not hold them; positions from the hit on are new
+        (a handoff's are copied too)::
+
+            block size 4, window 6, a handoff of a 17-token prompt, decode-side hit 8 tokens
+            position       0    1    2    3    4
+            window at 17   -    -    -    x    x      position 3 is past the hit: new, copied; 4 too
+        """
+        pool = self.pool
+        if remote is None and self.tiers is None:  # the common case: every needed block is on device
+            kept = self.hit_blocks(ask.hashes, ask.hit_tokens)
+            if kept is None:
+                return None
+            need = self.blocks_for(ask.total) - ask.hits // self.ratio
+            return need + ask.reserve - (pool.num_free - pool.count_idle(kept)), kept
+        sources = self._sources(ask, remote)
+        if sources is None:
+            return None
+        first, held, _ = sources
+        kept = [block for _, block, where in held if where == DEVICE]
+        fresh = self.blocks_for(ask.total) - max(first, ask.hits // self.ratio) + len(held) - len(kept)
+        return fresh + ask.reserve - (pool.num_free - pool.count_idle(kept)), sources
+
+    def _sources(self, ask: Ask, remote: Sequence[int] | None) -> _Sources | None:
+        """(first position the window holds, (position, block, where) of each position below the hit it holds,
+        ``remote``) for an admission through tiers or a handoff; None when a needed block is nowhere. Pure."""
+        keys = self.keys(ask.hashes)
+        first = self.first_needed(ask.window_token)
+        block_of = self.index.block_of
+        tiers = None if remote is not None else self.tiers  # a handoff is matched on device only
+        held = []
+        for position in range(first, ask.hits // self.ratio):
+            key = keys[position]
+            block = block_of(key)
+            if block is not None:
+                held.append((position, block, DEVICE))
+                continue
+            found = tiers.where(key) if tiers is not None else None
+            if found is not None:
+                held.append((position, found[1], found[0]))
+            elif remote is not None:
+                held.append((position, remote[position], REMOTE))
+            else:
+                return None
+        return first, held, remote
+
+    def take_admission(self, key: int, ask: Ask, prepared: Any) -> GroupCopies | None:
+        """Keep the blocks the hit needs, take the new ones (the caller checked the room); the copies that
+        fill the new ones (None when there are none)."""
+        cached = ask.hits // self.ratio
+        end = self.blocks_for(ask.total)
+        if type(prepared) is list:  # every needed block on device
+            kept: list[int] = prepared
+            self.pool._acquire_valid(kept)
+            first = cached - len(kept)
+            table = [PLACEHOLDER] * first + kept
+            if end > cached:
+                table += self.take(end - cached)
+            self.tables[key] = table
+            self.released[key] = first
+            return None
+        sources: _Sources = prepared
+        first, held, remote = sources
+        self.pool._acquire_valid([block for _, block, where in held if where == DEVICE])
+        from_host = [block for _, block, where in held if where == HOST]
+        if from_host and self.tiers is not None and self.tiers.host is not None:
+            self.tiers.host.acquire(from_host)  # before an eviction can write back into the host tier
+        start = max(first, cached)
+        fresh = iter(self.take(end - start + sum(1 for *_, where in held if where != DEVICE)))
+        table = [PLACEHOLDER] * first
+        copies = GroupCopies()
+        for position, block, where in held:
+            if where == DEVICE:
+                table.append(block)
+                continue
+            target = next(fresh)
+            table.append(target)
+            if where == HOST:
+                copies.swaps.append((block, target, position))
+            elif where == STORED:
+                copies.loads.append((target, position))
+            else:
+                copies.moves.append((block, target))
+        for position in range(start, end):
+            target = next(fresh)
+            table.append(target)
+            if remote is not None:  # a handoff: the prompt's blocks come from the prefill node
+                copies.moves.append((remote[position], target))
         self.tables[key] = table
         self.released[key] = first
+        return copies if copies else None
 
     def growth_short(self, key: int, total: int) -> int:
         """Blocks the group lacks to grow the sequence's table to ``total`` chain blocks. Pure."""
@@ -207,7 +295,7 @@ class LocalGroupManager:
         table = self.tables[key]
         after = self.blocks_for(total)
         if after > len(table):
-            table += self.take_blocks(after - len(table))
+            table += self.take(after - len(table))
         elif after < len(table):
             surplus = table[after:]
             del table[after:]
@@ -234,15 +322,40 @@ class LocalGroupManager:
             self.pool._release_valid(leaving)  # oldest first: they leave the window in that order
             table[done:first] = [PLACEHOLDER] * (first - done)
             released[key] = first
+        tiers = self.tiers
+        if cache and tiers is not None and tiers.writes_through:
+            size = self.block_size
+            tiers.written(self.index.block_of, self.keys(hashes), before // size, n // size)
 
-    def release(self, key: int) -> None:
-        """The sequence leaves: the blocks it still holds go back, tail first."""
+    def release(self, key: int, defer: list[list[int]] | None = None) -> None:
+        """The sequence leaves: the blocks it still holds go back, tail first (into ``defer`` instead, when a
+        copy in flight still writes into them: released when that copy is reported)."""
         table = self.tables.pop(key)
         held = table[self.released.pop(key) :]  # positions before are released (placeholders)
         if PLACEHOLDER in held:
             held = [b for b in held if b != PLACEHOLDER]
         held.reverse()
-        self.pool._release_valid(held)
+        if defer is None:
+            self.pool._release_valid(held)
+        else:
+            defer.append(held)
+
+    def cut_back(self, key: int, hit: int, chain_block_size: int) -> None:
+        """An admission's copies fell short: the table keeps what a hit of ``hit`` chain blocks needs; the rest
+        (never committed) goes back."""
+        table = self.tables[key]
+        first = self.first_needed(hit * chain_block_size)
+        end = self.blocks_for(hit)
+        leaving = [b for b in table[:first] if b != PLACEHOLDER]
+        dropped = [b for b in reversed(table[end:]) if b != PLACEHOLDER]
+        table[:] = [PLACEHOLDER] * first + table[first:end]
+        self.pool._release_valid(leaving)
+        self.pool._release_valid(dropped)
+        self.released[key] = first
+
+    def index_landed(self, key: int, hashes: Sequence[BlockHash], committed: int) -> None:
+        """An admission's copies landed: the blocks it holds below ``committed`` tokens become findable."""
+        self.index.insert_run(self.keys(hashes), self.tables[key], self.released[key], committed // self.block_size)
 
     # ------------------------------------------------------------------ checks
 

@@ -16,7 +16,7 @@ releases, a sequence's release, integrity. The window formulas are its kind's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -359,11 +359,7 @@ class LocalGroupManager:
 
     # ------------------------------------------------------------------ checks
 
-    def check_integrity(
-        self,
-        live: dict[int, tuple[object, int, int]],
-        other_holders: Callable[[list[int]], None],
-    ) -> None:
+    def check_integrity(self, live: dict[int, tuple[object, int, int]], other_holders: Iterable[Iterable[int]]) -> None:
         """Pool and index agree, references equal the tables (plus ``other_holders``), every table is as long
         as the full one, and no block outside the window is held. ``live``: id(sequence) -> (sequence id,
         full-attention table length, the token its window is placed at)."""
@@ -387,7 +383,9 @@ class LocalGroupManager:
                 if position < first:
                     raise IntegrityError(f"group {number}: {seq_id!r} holds position {position} outside its window")
                 expected[block] += 1
-        other_holders(expected)
+        for order in other_holders:
+            for block in order:
+                expected[block] += 1
         for block in range(pool.num_blocks):
             if pool.ref_count(block) != expected[block]:
                 raise IntegrityError(f"group {number}: block {block} has {pool.ref_count(block)} references")

@@ -410,7 +410,7 @@ class ManagerMachine(RuleBasedStateMachine):
             # before committing, and an entry they would leave without room changes nothing.
             size = p.block_size
             need = max(0, -(-(target + e.lookahead) // size) - len(p.block_table(e.seq_id)))
-            pinned = p._idle_duplicates(p._seqs[e.seq_id], p.num_computed_tokens(e.seq_id) // size, n // size)
+            pinned = p._full.idle_duplicates(p._seqs[e.seq_id], p.num_computed_tokens(e.seq_id) // size, n // size)
             if pinned and need + pinned > p.num_free_blocks:
                 content.truncate(known)  # type: ignore[union-attr]
                 failed.append(e.seq_id)

@@ -29,7 +29,7 @@ from kvblocks.core.groups.protocol import Ask, GroupCopies, GroupManager
 from kvblocks.core.groups.recurrent_group import RecurrentGroup, StateCopy, _Recurrent
 from kvblocks.core.groups.rules import NEVER
 from kvblocks.core.sequence import _Sequence
-from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError
+from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, SequenceStateError
 from kvblocks.events import BlockStored, EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
@@ -80,6 +80,7 @@ class GroupCoordinator:
     ) -> None:
         locals_, recurrents, crosses = split_groups(groups)
         size = chain_block_size
+        self.block_size = size  # the hash chain's, group 0's
         self.full = full
         self.locals = [LocalGroupManager(g, size, number, events) for number, g in enumerate(locals_, 1)]
         first = 1 + len(locals_)
@@ -134,6 +135,10 @@ class GroupCoordinator:
                 out.append(self.table(number, s))
         return tuple(out)
 
+    def device_block_of(self, group: int, key: BlockHash) -> int | None:
+        """The block attention group ``group`` caches ``key`` in on device (None: none). Pure."""
+        return self.full.tree.block_of(key) if group == 0 else self.locals[group - 1].index.block_of(key)
+
     def pool(self, group: object) -> BlockPool:
         """Group ``group``'s pool (a recurrent group's holds its checkpoints)."""
         number = self.number(group)
@@ -176,6 +181,38 @@ class GroupCoordinator:
             for group, answer in zip(self.groups, answers, strict=True)
         ]
 
+    def grow(self, s: _Sequence, covered: int, lookahead: int) -> bool:
+        """Give admitted ``s`` slots for ``covered`` tokens plus ``lookahead`` drafts, or change nothing (False).
+
+        Blocks beyond what that needs (a smaller lookahead than before) go back to the pool: they
+        lie past every committed and every allocated token, so nothing in them is cached.
+        """
+        table = s.table
+        if table is None:  # pragma: no cover - callers grow admitted sequences only
+            raise SequenceStateError("only an admitted sequence grows")
+        size = self.block_size
+        need = (covered + lookahead + size - 1) // size - len(table)
+        if need > 0:
+            if not self.room_to_grow(s, need):
+                return False
+            table += self.full.take(need)
+        elif need < 0:
+            surplus = table[need:]
+            del table[need:]
+            self.full.pool._release_valid(reversed(surplus))
+        s.num_covered = covered
+        s.lookahead = lookahead
+        if need and self.locals:
+            for local in self.locals:
+                local.resize(id(s), len(table))
+        return True
+
+    def room_to_grow(self, s: _Sequence, need: int) -> bool:
+        """Whether admitted ``s`` may take ``need`` more blocks now, in every layer group. Pure."""
+        if need > self.full.pool.num_free:
+            return False
+        return not self.locals or self.growth_short(id(s), len(s.table) + need) <= 0  # type: ignore[arg-type]
+
     def growth_short(self, key: int, total: int) -> int:
         """The most blocks a local group lacks to grow a sequence's tables to ``total`` chain blocks. Pure."""
         return max((local.growth_short(key, total) for local in self.locals), default=0)
@@ -199,16 +236,19 @@ class GroupCoordinator:
             return locals_[0].next_move(n)
         return min((local.next_move(n) for local in locals_), default=NEVER)
 
-    def release(self, key: int, deferred: Sequence[list[list[int]]] = ()) -> None:
-        """The sequence leaves every group; ``deferred[i]`` (when given) collects local group ``i``'s release
-        order instead, for a copy in flight into its blocks."""
-        if deferred:
-            for local, defer in zip(self.locals, deferred, strict=False):
-                local.release(key, defer)
-            for group in self.groups[len(self.locals) :]:
+    def release(self, s: _Sequence, deferred: Sequence[list[list[int]] | None] = ()) -> None:
+        """Admitted ``s`` leaves every group; ``deferred[g]`` (when given and not None) collects group ``g``'s
+        release order instead, for a copy in flight into its blocks (its tiers release it later)."""
+        key = id(s)
+        if not deferred:
+            self.full.release(s)
+            for group in self.groups:
                 group.release(key)
             return
-        for group in self.groups:
+        self.full.release(s, deferred[0])
+        for local, defer in zip(self.locals, deferred[1:], strict=False):
+            local.release(key, defer)
+        for group in self.groups[len(self.locals) :]:
             group.release(key)
 
     @property
@@ -218,13 +258,15 @@ class GroupCoordinator:
 
     def clear(self) -> None:
         """Drop every cached block and checkpoint (the caller checked nothing is in use)."""
+        self.full.tree.clear()
         for local in self.locals:
             local.index.clear()
         for recurrent in self.recurrents:
             recurrent.index.clear()
 
     def snapshot_events(self) -> list[BlockStored]:
-        events: list[BlockStored] = []
+        """Every group's cached blocks as ``BlockStored`` events, group 0's chains first. Pure."""
+        events = self.full.tree.snapshot_events()
         for local in self.locals:
             events += local.index.snapshot_events()
         for recurrent in self.recurrents:

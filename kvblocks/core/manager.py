@@ -5,39 +5,34 @@ One sequence, block size 4, a 10-token prompt whose first 8 tokens are cached::
     tokens              | a b c d | e f g h | i j . . |
     lookup(s)           |<---- 8 cached --->|              never the last token: its logits are needed
     allocate(s, 2)      [ hit     , hit     , new     ]    the table covers 8 + 2 = 10 tokens
-    commit(s, 10)       only full blocks below the line enter the tree; block 2 is partial
-    append_tokens(s, [k]); allocate(s, 1); commit(s, 11)   ...one decode step
+    commit(s, 10)       only full blocks below the line enter the tree (the only way a block becomes
+                        findable: a block whose KV is not reported written is never handed out)
     free(s)             references drop tail first, so the tail is evicted before the head
 
-``commit`` is the only way a block becomes findable: a block whose KV the engine
-has not reported written is never handed to another sequence.
-
-The manager is one class, composed of parts it owns (:mod:`kvblocks.core`, docs/architecture.md)::
+One class, composed of parts it owns (docs/architecture.md); not thread-safe (the scheduler's thread)::
 
     KVCacheManager      the request registry, validation, the order of calls, counting
-      GroupCoordinator  group 0 (full attention: pool, prefix tree) and the groups beside it, one
-                        group manager per kind; the common hit and two-phase admission over them
+      GroupCoordinator  group 0 (full attention: pool, prefix tree) and one group manager per group
+                        beside it, by kind; Admission: the common hit and two-phase admission
       Tiering           (tiers=) a TierStack per attention group, the step's plans, pending copies
       a role            (a PrefillManager / DecodeManager facade) the requests moving between nodes
-
-The manager is not thread-safe: call it from the scheduler's thread.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from kvblocks.accounting import BlockLifetimes, CachedTokens, CacheStats, HitCounters
 from kvblocks.config import CacheConfig, DisaggConfig
+from kvblocks.core.admission import Admission
 from kvblocks.core.coordinator import GroupCoordinator
 from kvblocks.core.groups.full_group import FullAttentionGroup
-from kvblocks.core.groups.protocol import Ask, GroupCopies
 from kvblocks.core.manager_groups import GroupCalls
 from kvblocks.core.manager_tiers import TierCalls
-from kvblocks.core.role import Role, RoleFactory
-from kvblocks.core.sequence import _FREED_MEMORY, _NEVER, BlockTable
+from kvblocks.core.role import Role, RoleFactory, role_for
+from kvblocks.core.sequence import _FREED_MEMORY, BlockTable, hashed_content
 from kvblocks.core.sequence import _count_arg as _count_arg  # re-exported
 from kvblocks.core.sequence import _Sequence as _Sequence  # re-exported
 from kvblocks.core.step import run_step
@@ -59,24 +54,16 @@ from kvblocks.hashing import (
     BlockExtras,
     BlockHash,
     BlockHasher,
-    HashedTokens,
     Namespace,
-    PrecomputedHashes,
 )
 from kvblocks.pool import BlockPool
 from kvblocks.radix import PrefixTree
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.tiering import Tiering
-from kvblocks.tiers.transfers import AdmittedTable
 
 __all__ = ["BlockTable", "KVCacheManager"]
 
 _M = TypeVar("_M", bound="KVCacheManager")
-_Hit = tuple[int, list[int], list[int], int]
-"""An admission's hit: (chain blocks, group 0's device blocks, its host blocks after them, its storage loads)."""
-_Beside = tuple[Ask, list[tuple[int, Any] | None]]
-"""The other groups' part of an admission: what they were asked, and their answers."""
-_NO_BLOCKS: list[int] = []  # the host blocks of an untiered hit (never changed)
 
 
 class KVCacheManager(GroupCalls, TierCalls):
@@ -94,8 +81,8 @@ class KVCacheManager(GroupCalls, TierCalls):
     >>> m.lookup("b").device                      # b shares a's two full blocks
     8
 
-    Its group calls (:class:`~kvblocks.core.manager_groups.GroupCalls`) and tier calls
-    (:class:`~kvblocks.core.manager_tiers.TierCalls`) are kept in modules of their own.
+    Its group calls and tier calls are kept in modules of their own (:mod:`kvblocks.core.manager_groups`,
+    :mod:`kvblocks.core.manager_tiers`).
     """
 
     role: ClassVar[str] = "mixed"
@@ -125,16 +112,8 @@ class KVCacheManager(GroupCalls, TierCalls):
         (:mod:`kvblocks.tiers`); ``groups``: the layer groups beside full attention of a hybrid model
         (:mod:`kvblocks.core.coordinator`); ``disagg``: the node's role (a role facade's: see
         :mod:`kvblocks.disagg`); the other arguments are :class:`~kvblocks.config.CacheConfig`'s."""
-        config = CacheConfig(
-            num_blocks=num_blocks,
-            block_size=block_size,
-            hash_scheme=hash_scheme,
-            namespace=namespace,
-            enable_prefix_caching=enable_prefix_caching,
-            reserved_blocks=reserved_blocks,
-            drop_last_matched_block=drop_last_matched_block,
-            eviction=eviction,
-        )
+        cache = (num_blocks, block_size, hash_scheme, namespace, enable_prefix_caching, reserved_blocks)
+        config = CacheConfig(*cache, drop_last_matched_block=drop_last_matched_block, eviction=eviction)
         self._setup(config, event_sink, tiers, groups, disagg)
 
     @classmethod
@@ -178,31 +157,21 @@ class KVCacheManager(GroupCalls, TierCalls):
         self._tree = full.tree
         self._groups = GroupCoordinator(full, groups, chain_block_size=config.block_size, events=event_sink)
         self._beside = self._groups if self._groups.groups else None  # None: no group beside full attention
-        self._locals, self._recurrents, self._crosses = (
-            self._groups.locals,
-            self._groups.recurrents,
-            self._groups.crosses,
-        )
+        self._locals, self._recurrents = self._groups.locals, self._groups.recurrents
+        self._crosses = self._groups.crosses
         self._seqs: dict[Hashable, _Sequence] = {}
         self._freed: OrderedDict[Hashable, None] = OrderedDict()
         self._counters = HitCounters()
-        self.tiers = tiers
-        """The host and storage tiers' configuration (None: device blocks only)."""
+        self.tiers = tiers  # the host and storage tiers' configuration (None: device blocks only)
         self._tiers: Tiering | None = None
         if tiers is not None:
             if self._recurrents or self._crosses:
                 raise ConfigError("tiers serve attention groups: recurrent and cross-attention groups have none")
             self._tiers = Tiering(tiers, config, full.pool, self._locals, events=event_sink, tag=tag)
             full.tiers = self._tiers.stacks[0]
-        disagg = DisaggConfig(role=self.role) if disagg is None else disagg
-        if not isinstance(disagg, DisaggConfig):
-            raise ConfigError(f"disagg must be a DisaggConfig, got {type(disagg).__name__}")
-        if disagg.role != self.role:
-            raise ConfigError(f"a {type(self).__name__} runs in the {self.role} role, not {disagg.role!r}")
-        component = type(self)._role_component
-        self._role: Role | None = None if component is None else component(self, disagg)
-        self._guards_changes = tiers is not None or self._role is not None
-        """Whether :meth:`_check_can_change` may refuse (a role or pending copies): the step checks every entry."""
+        self._admission = Admission(config, self._groups, self._tiers)
+        self._role: Role | None = role_for(self, type(self)._role_component, disagg)
+        self._guards_changes = tiers is not None or self._role is not None  # the step checks every entry then
 
     # ------------------------------------------------------------------ properties
 
@@ -262,7 +231,7 @@ class KVCacheManager(GroupCalls, TierCalls):
             raise InvalidArgumentError(f"sequence id must be hashable, got {type(seq_id).__name__}") from None
         if registered:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is already registered")
-        content = self._content(token_ids, extras, block_hashes, num_tokens)
+        content = hashed_content(self._hasher, token_ids, extras, block_hashes, num_tokens)
         if content.num_tokens == 0:
             raise InvalidTokenError(f"sequence {seq_id!r} has no tokens; a prompt needs at least one")
         if not isinstance(skip_cache_read, bool):
@@ -273,29 +242,8 @@ class KVCacheManager(GroupCalls, TierCalls):
         self._freed.pop(seq_id, None)
         tiers = self._tiers
         if tiers is not None and self._caching and not skip_cache_read:  # which blocks does storage hold?
-            tiers.probe(seq_id, content.hashes, self._match_length(s), self._cacheable_blocks(content.num_tokens))
-
-    def _content(
-        self,
-        token_ids: Iterable[int] | None,
-        extras: BlockExtras | None,
-        block_hashes: Iterable[BlockHash] | None,
-        num_tokens: int | None,
-    ) -> HashedTokens | PrecomputedHashes:
-        """A prompt's hashed content, from its token ids (and extras) or from its block hashes."""
-        if extras is not None and not isinstance(extras, BlockExtras):
-            raise InvalidArgumentError(f"extras must be a BlockExtras, got {type(extras).__name__}")
-        if block_hashes is not None:
-            if token_ids is not None or extras is not None:
-                raise InvalidArgumentError("give either token_ids (and extras) or block_hashes, not both")
-            if num_tokens is None:
-                raise InvalidArgumentError("block_hashes needs num_tokens, the prompt length")
-            return PrecomputedHashes(block_hashes, num_tokens, self._block_size)
-        if token_ids is None:
-            raise InvalidArgumentError("a prompt needs token_ids or block_hashes")
-        if num_tokens is not None:
-            raise InvalidArgumentError("num_tokens is only for sequences given by block_hashes")
-        return HashedTokens(self._hasher, token_ids, extras)
+            limit = self._admission.cacheable_blocks(content.num_tokens)
+            tiers.probe(seq_id, content.hashes, self._admission.match_length(s), limit)
 
     def append_tokens(self, seq_id: Hashable, token_ids: Iterable[int]) -> None:
         """Append tokens (decode output); full blocks they complete are hashed now, once."""
@@ -308,7 +256,7 @@ class KVCacheManager(GroupCalls, TierCalls):
 
         The last token is never counted: the engine must compute it to get logits.
         """
-        return self._cached(self._get(seq_id))
+        return self._admission.cached(self._get(seq_id))
 
     def match(
         self,
@@ -323,17 +271,8 @@ class KVCacheManager(GroupCalls, TierCalls):
         For routers, schedulers and tests: the same rules as an admission (the last token is
         never counted; ``drop_last_matched_block`` applies), nothing is kept.
         """
-        probe = _Sequence(self._content(token_ids, extras, block_hashes, num_tokens))
-        return self._cached(probe)
-
-    def _cached(self, s: _Sequence) -> CachedTokens:
-        """The hit ``s`` would take now: group 0's device / host / storage split of the hit every group serves."""
-        size = self._block_size
-        if self._tiers is None:
-            return CachedTokens(device=self._match_length(s) * size, num_prompt_tokens=s.content.num_tokens)
-        _, device, host, loads = self._tier_hit(s, None, None)
-        prompt = s.content.num_tokens
-        return CachedTokens(len(device) * size, len(host) * size, loads * size, num_prompt_tokens=prompt)
+        probe = _Sequence(hashed_content(self._hasher, token_ids, extras, block_hashes, num_tokens))
+        return self._admission.cached(probe)
 
     def blocks_short(self, seq_id: Hashable, num_new_tokens: int, *, num_lookahead_tokens: int = 0) -> int:
         """How many blocks ``allocate(seq_id, num_new_tokens, ...)`` would lack now (0: it would succeed), the most
@@ -345,7 +284,8 @@ class KVCacheManager(GroupCalls, TierCalls):
         n = _count_arg(num_new_tokens, "num_new_tokens")
         k = _count_arg(num_lookahead_tokens, "num_lookahead_tokens")
         if s.table is None:
-            return max(0, self._prepare(s, self._hit(seq_id, s, None), n, k)[0])
+            admission = self._admission
+            return max(0, admission.prepare(s, admission.hit(seq_id, s, None), n, k)[0])
         size = self._block_size
         total = (s.num_covered + n + k + size - 1) // size
         short = total - len(s.table) - self._pool.num_free
@@ -356,12 +296,8 @@ class KVCacheManager(GroupCalls, TierCalls):
         """Whether :meth:`allocate` would succeed now. Pure: never evicts."""
         return self.blocks_short(seq_id, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens) == 0
 
-    def block_table(self, seq_id: Hashable) -> BlockTable:
-        """The sequence's block table (empty when it is not admitted)."""
-        view = self._get(seq_id).view
-        return view if view is not None else BlockTable([])
-
     def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens the sequence has (its prompt and what was appended)."""
         return self._get(seq_id).content.num_tokens
 
     def num_computed_tokens(self, seq_id: Hashable) -> int:
@@ -418,259 +354,46 @@ class KVCacheManager(GroupCalls, TierCalls):
             k = _count_arg(k, "num_lookahead_tokens")
         self._check_can_change(seq_id, s, "grow")
         if s.table is None:
-            return self._admit(seq_id, s, n, k, self._expected_hit(num_cached_tokens))
+            return self._admit(seq_id, s, n, k, self._admission.expected(num_cached_tokens))
         if num_cached_tokens is not None:
             raise InvalidArgumentError(f"sequence {seq_id!r} is admitted: num_cached_tokens is for admissions")
-        return s.view if self._grow(s, s.num_covered + n, k) else None
-
-    def _expected_hit(self, num_cached_tokens: object) -> int | None:
-        """The hit the caller saw, in blocks (None: take the hit there is now)."""
-        if num_cached_tokens is None:
-            return None
-        tokens = _count_arg(num_cached_tokens, "num_cached_tokens")
-        if tokens % self._block_size:
-            raise InvalidArgumentError(
-                f"num_cached_tokens must be a multiple of the block size {self._block_size}, got {tokens}"
-            )
-        step = self._groups.hit_step
-        if tokens % step:
-            raise InvalidArgumentError(
-                f"num_cached_tokens must be a multiple of {step} (every group's block boundary and checkpoint "
-                f"spacing), got {tokens}"
-            )
-        return tokens // self._block_size
+        return s.view if self._groups.grow(s, s.num_covered + n, k) else None
 
     def _check_can_change(self, seq_id: Hashable, s: _Sequence, what: str) -> None:
-        """Raise if ``s`` may not grow or commit now: its copies are pending (commit), or its role refuses
-        (a sequence being handed off)."""
+        """Raise if ``s`` may not grow or commit now: copies are pending (commit), or its role refuses."""
         tiers = self._tiers
         if tiers is not None and what == "commit" and id(s) in tiers.admissions:
             raise SequenceStateError(f"sequence {seq_id!r} has transfers pending: complete them before commit")
         if self._role is not None:
             self._role.guard(seq_id, what)
 
-    def _grow(self, s: _Sequence, covered: int, lookahead: int) -> bool:
-        """Give admitted ``s`` slots for ``covered`` tokens plus ``lookahead`` drafts, or change nothing (False).
-
-        Blocks beyond what that needs (a smaller lookahead than before) go back to the pool: they
-        lie past every committed and every allocated token, so nothing in them is cached.
-        """
-        table = s.table
-        if table is None:  # pragma: no cover - callers grow admitted sequences only
-            raise SequenceStateError("only an admitted sequence grows")
-        size = self._block_size
-        need = (covered + lookahead + size - 1) // size - len(table)
-        if need > 0:
-            if not self._room_to_grow(s, need):
-                return False
-            table += self._full.take(need)
-        elif need < 0:
-            surplus = table[need:]
-            del table[need:]
-            self._pool._release_valid(reversed(surplus))
-        s.num_covered = covered
-        s.lookahead = lookahead
-        if self._beside is not None and need:
-            self._beside.resize(id(s), len(table))
-        return True
-
-    def _room_to_grow(self, s: _Sequence, need: int) -> bool:
-        """Whether admitted ``s`` may take ``need`` more blocks now, in every layer group. Pure."""
-        if need > self._pool.num_free:
-            return False
-        groups = self._beside
-        return groups is None or groups.growth_short(id(s), len(s.table) + need) <= 0  # type: ignore[arg-type]
-
     # ------------------------------------------------------------------ admission
 
     def _admit(self, seq_id: Hashable, s: _Sequence, n: int, k: int, expected: int | None) -> BlockTable | None:
-        """The admission of ``s``: every group keeps its cached blocks, copies in what its tiers hold and takes
-        new ones, or nothing changes (None). With copies pending the table is an :class:`AdmittedTable` naming
-        them, and the sequence is not ready (:meth:`is_ready`) until they are reported."""
-        hit = self._hit(seq_id, s, expected)
-        short, beside = self._prepare(s, hit, n, k, True)
+        """The admission of ``s`` (:mod:`kvblocks.core.admission`): every group keeps its cached blocks, copies in
+        what its tiers hold and takes new ones, or nothing changes (None). With copies pending the table is an
+        :class:`AdmittedTable` naming them, and the sequence is not ready (:meth:`is_ready`) until they land."""
+        admission = self._admission
+        hit = admission.hit(seq_id, s, expected)
+        short, beside = admission.prepare(s, hit, n, k, True)
         if beside is not None and None in beside[1]:  # only when the caller named a shorter hit than every group serves
             tokens = hit[0] * self._block_size
             raise StaleLookupError(f"sequence {seq_id!r}: a group no longer holds what the {tokens}-token hit needs")
         if short > 0:
             return None
-        copies = self._take_admission(s, hit, n, k, beside)
+        copies = admission.take(s, hit, n, k, beside)
         hits, _, host, loads = hit
         if not host and not loads and (beside is None or not any(copies)):
             cached = CachedTokens(device=hits * self._block_size, num_prompt_tokens=s.content.num_tokens)
             self._admitted(seq_id, cached, s.preempted)
             return s.view
-        return self._pend(seq_id, s, hit, copies)
-
-    def _hit(self, seq_id: Hashable, s: _Sequence, expected: int | None) -> _Hit:
-        """The hit an admission of ``s`` takes now (``expected``: exactly that many blocks, the caller's lookup):
-        (blocks, group 0's device blocks, its host blocks after them, its storage loads after those). Pure."""
-        if self._tiers is not None:
-            return self._tier_hit(s, seq_id, expected)
-        matched = self._match(s)
-        if expected is not None:
-            self._check_expected(seq_id, expected, len(matched))
-            del matched[expected:]
-        return len(matched), matched, _NO_BLOCKS, 0
-
-    def _tier_hit(self, s: _Sequence, seq_id: Hashable, expected: int | None) -> _Hit:
-        """:meth:`_hit` through tiers: the hit every group serves from device or its tiers. Pure; no I/O."""
-        if not self._caching or s.skip_read:
-            return 0, [], _NO_BLOCKS, 0
-        content = s.content
-        hashes = content.hashes
-        limit = self._cacheable_blocks(content.num_tokens)
-        matched = self._tree.matched_blocks(hashes, limit)
-        device = len(matched)
-        stack = self._tiers.stacks[0]  # type: ignore[union-attr]  # the caller checked
-        host = stack.host_run(hashes, device, limit)
-        hit = device + len(host)
-        hit += stack.stored_run(hashes, hit, limit)
-        if self._beside is not None:
-            hit = self._hit_within(hashes, hit, True)
-        elif hit and self._drop_last:
-            hit -= 1
-        if expected is not None:
-            self._check_expected(seq_id, expected, hit)
-            hit = expected
-        if device > hit:
-            del matched[hit:]
-            device = hit
-        host = host[: hit - device]
-        return hit, matched, host, hit - device - len(host)
-
-    def _prepare(
-        self,
-        s: _Sequence,
-        hit: _Hit,
-        n: int,
-        k: int,
-        admitting: bool = False,
-        *,
-        reserve: int = 0,
-        window_token: int | None = None,
-        remotes: Sequence[Sequence[int]] = (),
-    ) -> tuple[int, _Beside | None]:
-        """The first phase of an admission taking ``hit``: (blocks the neediest group lacks, every other
-        group's answer). Pure. ``admitting``: skip the other groups when full attention lacks room;
-        ``reserve``: blocks every group leaves free besides; ``window_token``, ``remotes``: a handoff's."""
-        hits, matched, _, _ = hit
-        size = self._block_size
-        total = (hits * size + n + k + size - 1) // size
-        pool = self._pool
-        short = total - len(matched) + reserve - (pool.num_free - pool.count_idle(matched) - self._reserve)
-        groups = self._beside
-        if groups is None or (admitting and short > 0):
-            return short, None
-        tokens = hits * size
-        encoder = groups.encoder_tokens.get(id(s), 0) if self._crosses else 0
-        window = tokens if window_token is None else window_token
-        ask = Ask(s.content.hashes, hits, total, tokens, window, encoder, reserve)
-        answers = groups.answers(ask, remotes)
-        for answer in answers:
-            if answer is not None and answer[0] > short:
-                short = answer[0]
-        return short, (ask, answers)
-
-    def _take_admission(
-        self, s: _Sequence, hit: _Hit, n: int, k: int, beside: _Beside | None
-    ) -> Sequence[GroupCopies | None]:
-        """The second phase: every group takes what :meth:`_prepare` found room for (the caller checked); the
-        table covers the hit, ``n`` new tokens and ``k`` drafts. Returns the other groups' copies."""
-        hits, matched, host, _ = hit
-        size = self._block_size
-        copies = self._beside.take(id(s), *beside) if beside is not None else ()  # type: ignore[union-attr]
-        device = len(matched)
-        covered = hits * size + n
-        need = (covered + k + size - 1) // size - device
-        if device:
-            self._pool._acquire_valid(matched)  # nodes the tree just matched: valid by construction
-        if host:
-            self._tiers.stacks[0].host.acquire(host)  # type: ignore[union-attr]  # before an eviction writes back
-        if need:
-            matched += self._full.take(need)
-        s.table = matched
-        s.view = BlockTable(matched, hits * size)
-        s.num_covered = covered
-        s.lookahead = k
-        s.num_committed = device * size
-        if beside is not None:
-            s.watch = self._groups.next_move(hits * size)
-        return copies
-
-    def _pend(self, seq_id: Hashable, s: _Sequence, hit: _Hit, copies: Sequence[GroupCopies | None]) -> AdmittedTable:
-        """Hand an admission's copies to the tiers: pending until every one is reported."""
-        hits, _, host, loads = hit
-        table: list[int] = s.table  # type: ignore[assignment]  # just admitted
-        device = s.num_committed // self._block_size
-        start = device + len(host)
-        swaps = [(h, table[p], p) for p, h in enumerate(host, device)]
-        group0 = GroupCopies(swaps, [(table[p], p) for p in range(start, start + loads)]) if host or loads else None
-        self._tiers.pend(seq_id, s, hits, device, [group0, *copies])  # type: ignore[union-attr]
-        hashes = s.content.hashes
-        view = AdmittedTable(
-            table,
-            tuple((h, d) for h, d, _ in swaps),
-            tuple((table[p], hashes[p]) for p in range(start, start + loads)),
-            hits * self._block_size,
-        )
-        s.view = view
-        return view
-
-    def _check_expected(self, seq_id: Hashable, expected: int, available: int) -> None:
-        if expected > available:
-            raise StaleLookupError(
-                f"sequence {seq_id!r}: the lookup saw {expected * self._block_size} cached tokens, the cache holds "
-                f"{available * self._block_size} now; look up again"
-            )
+        return admission.pend(seq_id, s, hit, copies)
 
     def _admitted(self, seq_id: Hashable, cached: CachedTokens, readmission: bool) -> None:
         """An admission's hits are final (at once, or once its copies settle): the one place they are counted."""
         self._counters.record(cached, readmission=readmission)
         if self._role is not None:
             self._role.admitted(seq_id, cached)
-
-    def _cacheable_blocks(self, num_tokens: int) -> int:
-        """Full blocks a prefix hit may cover: never the one holding the last token, whose logits are needed."""
-        return (num_tokens - 1) // self._block_size
-
-    def _match_length(self, s: _Sequence) -> int:
-        """How many leading blocks of ``s`` every group serves now (the device hit). Pure."""
-        if not self._caching or s.skip_read:
-            return 0
-        content = s.content
-        found = self._tree.match_length(content.hashes, self._cacheable_blocks(content.num_tokens))
-        if self._beside is not None:
-            return self._hit_within(content.hashes, found)
-        return found - 1 if found and self._drop_last else found
-
-    def _match(self, s: _Sequence) -> list[int]:
-        """Group 0's blocks of the device hit of ``s`` (:meth:`_match_length` of them). Pure."""
-        if not self._caching or s.skip_read:
-            return []
-        content = s.content
-        matched = self._tree.matched_blocks(content.hashes, self._cacheable_blocks(content.num_tokens))
-        if self._beside is not None:
-            del matched[self._hit_within(content.hashes, len(matched)) :]  # one walk of the tree, not two
-        elif matched and self._drop_last:
-            matched.pop()
-        return matched
-
-    def _hit_within(self, hashes: Sequence[BlockHash], run: int, tiers: bool = False) -> int:
-        """The hit (blocks) every group serves within full attention's leading ``run`` of cached blocks (from
-        device, or ``tiers``: also from each group's tiers). Pure.
-
-        With ``drop_last_matched_block`` the hit is the largest one every group serves below the
-        common hit (the last block's tokens are computed again, as EAGLE needs their hidden states).
-        """
-        if not run:
-            return 0
-        size = self._block_size
-        groups = self._groups
-        hit = groups.common_hit(hashes, run * size, tiers)
-        if hit and self._drop_last:
-            hit = groups.common_hit(hashes, hit - size, tiers)
-        return hit // size
 
     # ------------------------------------------------------------------ commit and the batched step
 
@@ -703,10 +426,6 @@ class KVCacheManager(GroupCalls, TierCalls):
                 f"{slots} tokens allocated, {known} tokens known)"
             )
 
-    def _idle_duplicates(self, s: _Sequence, start: int, stop: int) -> int:
-        """Cached blocks that committing blocks ``[start, stop)`` of ``s`` would pin while they are idle."""
-        return self._full.idle_duplicates(s, start, stop)
-
     def _commit(self, s: _Sequence, n: int) -> None:
         """Commit a checked ``n``: blocks newly below the line enter every group's index."""
         # Blocks fully below the old line are already in the tree (inserted, hit or pinned);
@@ -734,25 +453,9 @@ class KVCacheManager(GroupCalls, TierCalls):
         num_new_tokens: int | Sequence[int] = 1,
         num_lookahead_tokens: int | Sequence[int] = 0,
     ) -> list[Hashable]:
-        """One scheduling step for running sequences; returns the ids that could not get their slots.
-
-        For each sequence ``seq_ids[i]``, in order: append ``new_token_ids[i]`` (the sampled token,
-        or the accepted drafts and the bonus token), commit ``num_computed_tokens[i]`` (what the
-        forward pass wrote, accepted drafts included; None keeps the last commit), then give it
-        slots for the next forward pass: ``num_new_tokens[i]`` tokens after its committed line (1
-        for decode, the next chunk for chunked prefill) plus ``num_lookahead_tokens[i]`` draft
-        slots. ``allocate`` counts from its covered slots; ``step`` counts from the committed
-        line, as an engine reasons::
-
-            block size 4, decode, one draft slot (k=1)
-            before      | a b c d | e f . . |        committed 6, known 6
-            step(["r"], [6], [[g]], 1, 1)            g appended: 7 known
-            after       | a b c d | e f g * |        slots for 7 + 1 draft; 6 committed
-
-        A sequence that cannot get its slots is returned, and nothing changed for it (its entry
-        may be sent again, e.g. after preempting another sequence). Bad input anywhere in the batch
-        raises before anything changes. Same rules, same results as the per-sequence calls.
-        """
+        """One scheduling step for running sequences: append each one's sampled tokens, commit what the forward
+        pass wrote, give it slots for the next; returns the ids that could not get their slots (nothing changed
+        for them). The whole rule: :func:`kvblocks.core.step.run_step`."""
         return run_step(self, seq_ids, num_computed_tokens, new_token_ids, num_new_tokens, num_lookahead_tokens)
 
     # ------------------------------------------------------------------ leaving
@@ -805,23 +508,14 @@ class KVCacheManager(GroupCalls, TierCalls):
             return
         tiers = self._tiers
         if tiers is None:
-            if self._beside is not None:
-                self._beside.release(id(s))
-            self._full.release(s)
+            self._groups.release(s)
         else:  # a copy in flight into its blocks, or a save of them, holds their release until its plan completes
-            admission, copying = tiers.leave(s)
+            admission, deferred = tiers.leave(s)
             if admission is not None:  # its hits are final now: what was on device
                 cached = CachedTokens(admission.device * self._block_size, num_prompt_tokens=s.content.num_tokens)
                 self._admitted(admission.seq_id, cached, admission.readmission)
-            if self._beside is not None:
-                self._beside.release(id(s), [part.deferred for part in copying.groups[1:]] if copying else ())
-            held = copying or (tiers.open if tiers.hold_for is s else None)
-            self._full.release(s, held.groups[0].deferred if held is not None else None)
-        s.table = None
-        s.view = None
-        s.pins = None
-        s.num_covered = s.num_committed = s.lookahead = 0
-        s.watch = _NEVER
+            self._groups.release(s, deferred)
+        s.clear_table()
 
     # ------------------------------------------------------------------ the cache as a whole
 
@@ -831,9 +525,7 @@ class KVCacheManager(GroupCalls, TierCalls):
         Every layer group's cached blocks are tagged with the group (a local group records chain parents only
         with an event sink), then every tier's contents.
         """
-        events = self._tree.snapshot_events()
-        if self._beside is not None:
-            events += self._beside.snapshot_events()
+        events = self._groups.snapshot_events()
         if self._tiers is not None:
             events += self._tiers.snapshot_events()
         return events
@@ -845,7 +537,6 @@ class KVCacheManager(GroupCalls, TierCalls):
         tiers = self._tiers
         if (tiers is not None and tiers.busy) or self._pool.num_in_use or groups.busy:
             return False  # (a state plan's checkpoint would come back)
-        self._tree.clear()
         groups.clear()
         if tiers is not None:
             tiers.clear_hosts()
@@ -881,7 +572,7 @@ class KVCacheManager(GroupCalls, TierCalls):
         }
         self._groups.check_integrity(live, {id(s) for s in self._seqs.values()}, tiers)
         if tiers is not None:
-            tiers.check(self._block_size, self._device_block_of)
+            tiers.check(self._block_size, self._groups.device_block_of)
         if self._role is not None:
             self._role.check()
 
@@ -893,9 +584,6 @@ class KVCacheManager(GroupCalls, TierCalls):
         if admission is not None:
             return admission.hit * self._block_size
         return self._role.window_token(s) if self._role is not None else s.num_committed
-
-    def _device_block_of(self, group: int, key: BlockHash) -> int | None:
-        return self._tree.block_of(key) if group == 0 else self._locals[group - 1].index.block_of(key)
 
     def _get(self, seq_id: Hashable) -> _Sequence:
         try:

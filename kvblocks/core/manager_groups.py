@@ -12,7 +12,7 @@ from typing import Protocol
 
 from kvblocks.core.coordinator import GroupCoordinator
 from kvblocks.core.groups.recurrent_group import StateCopy
-from kvblocks.core.sequence import _count_arg, _Sequence
+from kvblocks.core.sequence import BlockTable, _count_arg, _Sequence
 from kvblocks.errors import InvalidArgumentError, SequenceStateError
 from kvblocks.pool import BlockPool
 
@@ -27,6 +27,11 @@ class _Manager(Protocol):
 
 class GroupCalls:
     """Per-group queries of a manager; group 0 is full attention, then the groups beside it in group order."""
+
+    def block_table(self: _Manager, seq_id: Hashable) -> BlockTable:
+        """The sequence's block table in group 0, a live view (empty when it is not admitted)."""
+        view = self._get(seq_id).view
+        return view if view is not None else BlockTable([])
 
     def block_tables(self: _Manager, seq_id: Hashable) -> tuple[list[int], ...]:
         """One entry per layer group, group 0 first (copies; empty lists when not admitted): an attention group's

@@ -14,8 +14,9 @@ from typing import Any, Protocol
 from kvblocks.accounting import CachedTokens
 from kvblocks.config import DisaggConfig
 from kvblocks.core.sequence import _Sequence
+from kvblocks.errors import ConfigError
 
-__all__ = ["Role", "RoleFactory"]
+__all__ = ["Role", "RoleFactory", "role_for"]
 
 
 class Role(Protocol):
@@ -54,3 +55,15 @@ class RoleFactory(Protocol):
     """How a role facade's manager gets its role: the component, built from the manager and its configuration."""
 
     def __call__(self, manager: Any, disagg: DisaggConfig) -> Role: ...
+
+
+def role_for(manager: Any, component: RoleFactory | None, disagg: DisaggConfig | None) -> Role | None:
+    """The role ``manager`` runs in: its class's ``component`` built with ``disagg`` (checked: the class's role;
+    None: its defaults), or None for a mixed node."""
+    role = manager.role
+    disagg = DisaggConfig(role=role) if disagg is None else disagg
+    if not isinstance(disagg, DisaggConfig):
+        raise ConfigError(f"disagg must be a DisaggConfig, got {type(disagg).__name__}")
+    if disagg.role != role:
+        raise ConfigError(f"a {type(manager).__name__} runs in the {role} role, not {disagg.role!r}")
+    return None if component is None else component(manager, disagg)

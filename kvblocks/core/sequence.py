@@ -1,17 +1,16 @@
-"""A sequence's state in the manager, its block-table view and the count-argument check (moved from
-:mod:`kvblocks.manager`, which still exports them)."""
+"""A sequence's state in the manager, its block-table view, its hashed content and the count-argument check."""
 
 from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.hashing import HashedTokens, PrecomputedHashes
+from kvblocks.hashing import BlockExtras, BlockHash, BlockHasher, HashedTokens, PrecomputedHashes
 
-__all__ = ["BlockTable"]
+__all__ = ["BlockTable", "hashed_content"]
 
 _FREED_MEMORY = 8192  # how many freed ids are remembered to tell a double free from an unknown id
 _NEVER = sys.maxsize
@@ -86,7 +85,15 @@ class _Sequence:
         self.num_committed = 0  # tokens whose KV is written (cached prefix included)
         self.preempted = False
         self.skip_read = skip_read  # never take a hit (prompt logprobs need every token computed); still writes
-        self.watch = _NEVER  # a commit reaching this many tokens must go through _commit (a subclass acts there)
+        self.watch = _NEVER  # a commit reaching this many tokens must reach the groups beside full attention
+
+    def clear_table(self) -> None:
+        """The sequence left its blocks (freed or preempted): not admitted any more."""
+        self.table = None
+        self.view = None
+        self.pins = None
+        self.num_covered = self.num_committed = self.lookahead = 0
+        self.watch = _NEVER
 
 
 def _count_arg(value: object, what: str) -> int:
@@ -99,3 +106,27 @@ def _count_arg(value: object, what: str) -> int:
     if number < 0:
         raise InvalidArgumentError(f"{what} must be >= 0, got {number}")
     return number
+
+
+def hashed_content(
+    hasher: BlockHasher,
+    token_ids: Iterable[int] | None,
+    extras: BlockExtras | None,
+    block_hashes: Iterable[BlockHash] | None,
+    num_tokens: int | None,
+) -> HashedTokens | PrecomputedHashes:
+    """A prompt's hashed content, from its token ids (and extras) or from its block hashes (one per full block,
+    as a router or trace has them; ``num_tokens`` is then the prompt length)."""
+    if extras is not None and not isinstance(extras, BlockExtras):
+        raise InvalidArgumentError(f"extras must be a BlockExtras, got {type(extras).__name__}")
+    if block_hashes is not None:
+        if token_ids is not None or extras is not None:
+            raise InvalidArgumentError("give either token_ids (and extras) or block_hashes, not both")
+        if num_tokens is None:
+            raise InvalidArgumentError("block_hashes needs num_tokens, the prompt length")
+        return PrecomputedHashes(block_hashes, num_tokens, hasher.block_size)
+    if token_ids is None:
+        raise InvalidArgumentError("a prompt needs token_ids or block_hashes")
+    if num_tokens is not None:
+        raise InvalidArgumentError("num_tokens is only for sequences given by block_hashes")
+    return HashedTokens(hasher, token_ids, extras)

@@ -1,4 +1,5 @@
-"""The batched scheduling step of :meth:`kvblocks.manager.KVCacheManager.step` (see its docstring)."""
+"""The batched scheduling step of :meth:`kvblocks.core.manager.KVCacheManager.step`: one call per running
+sequence's append, commit and growth, validated as a batch before anything changes."""
 
 from __future__ import annotations
 
@@ -21,7 +22,25 @@ def run_step(
     num_new_tokens: int | Sequence[int],
     num_lookahead_tokens: int | Sequence[int],
 ) -> list[Hashable]:
-    """:meth:`KVCacheManager.step`'s body: ``manager.step(...)`` is the documented entry."""
+    """One scheduling step for running sequences; returns the ids that could not get their slots.
+
+    For each sequence ``seq_ids[i]``, in order: append ``new_token_ids[i]`` (the sampled token,
+    or the accepted drafts and the bonus token), commit ``num_computed_tokens[i]`` (what the
+    forward pass wrote, accepted drafts included; None keeps the last commit), then give it
+    slots for the next forward pass: ``num_new_tokens[i]`` tokens after its committed line (1
+    for decode, the next chunk for chunked prefill) plus ``num_lookahead_tokens[i]`` draft
+    slots. ``allocate`` counts from its covered slots; ``step`` counts from the committed
+    line, as an engine reasons::
+
+        block size 4, decode, one draft slot (k=1)
+        before      | a b c d | e f . . |        committed 6, known 6
+        step(["r"], [6], [[g]], 1, 1)            g appended: 7 known
+        after       | a b c d | e f g * |        slots for 7 + 1 draft; 6 committed
+
+    A sequence that cannot get its slots is returned, and nothing changed for it (its entry
+    may be sent again, e.g. after preempting another sequence). Bad input anywhere in the batch
+    raises before anything changes. Same rules, same results as the per-sequence calls.
+    """
     count = len(seq_ids)
     commits = _column(num_computed_tokens, count, "num_computed_tokens", None)
     news = _column(num_new_tokens, count, "num_new_tokens", 1)
@@ -79,10 +98,12 @@ def run_step(
     # 2. apply, sequence by sequence; one that cannot get its slots is left as it was
     failed: list[Hashable] = []
     size = manager._block_size
-    pool = manager._pool
+    groups = manager._groups
+    full = groups.full
+    pool = full.pool
     for seq_id, s, n, packed, covered, k in plan:
         need = (covered + k + size - 1) // size - len(s.table)
-        if need > 0 and not manager._room_to_grow(s, need):
+        if need > 0 and not groups.room_to_grow(s, need):
             failed.append(seq_id)  # nothing changed for it
             continue
         committed = s.num_committed
@@ -94,7 +115,7 @@ def run_step(
             if n // size == committed // size and n <= s.num_covered and n < s.watch:
                 s.num_committed = n  # no block newly full, nothing watched: nothing enters the tree
             else:
-                pinned = manager._idle_duplicates(s, committed // size, n // size)
+                pinned = full.idle_duplicates(s, committed // size, n // size)
                 if pinned and max(need, 0) + pinned > pool.num_free:  # its commit would take the room
                     if packed is not None:
                         content.truncate(known)
@@ -105,7 +126,7 @@ def run_step(
             s.num_covered = covered
             s.lookahead = k
         else:
-            manager._grow(s, max(covered, s.num_covered), k)  # fits: checked above, pins included
+            groups.grow(s, max(covered, s.num_covered), k)  # fits: checked above, pins included
     return failed
 
 

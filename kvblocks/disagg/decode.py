@@ -171,13 +171,14 @@ class DecodeRole:
         if prompt != handoff.num_prompt_tokens or tuple(content.hashes) != handoff.block_hashes:
             raise HandoffError(f"handoff {seq_id!r} does not describe these prompt tokens (length or block hashes)")
         s = _Sequence(content)  # registered only if the handoff is accepted
-        matched = m._match(s)  # the prefill node's last-token rule: a prefix reports the same number on both
+        admission = m._admission
+        matched = admission.match(s)  # the prefill node's last-token rule: a prefix reports the same number on both
         kept = len(matched)  # the table grows from this list: count it first
         hit: tuple[int, list[int], list[int], int] = (kept, matched, [], 0)
         hits = kept * m.block_size
         reserve = self.reserve_per_sequence * (self.num_running + 1)
         remotes = [group.blocks for group in handoff.groups]
-        short, beside = m._prepare(
+        short, beside = admission.prepare(
             s, hit, prompt - hits, 0, admitting=True, reserve=reserve, window_token=prompt, remotes=remotes
         )
         if short > 0:
@@ -185,7 +186,7 @@ class DecodeRole:
             return None
         m._seqs[seq_id] = s
         m._freed.pop(seq_id, None)
-        copies = m._take_admission(s, hit, prompt - hits, 0, beside)
+        copies = admission.take(s, hit, prompt - hits, 0, beside)
         self.receiving.add(seq_id)
         seeded = handoff.cached
         delta = max(0, min(hits - seeded.total, prompt - seeded.total))

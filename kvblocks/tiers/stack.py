@@ -15,15 +15,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from kvblocks.config import CacheConfig
+from kvblocks.core.groups.local_group import LocalGroupManager
 from kvblocks.core.groups.sources import HOST, STORED, EvictingIndex
+from kvblocks.errors import ConfigError
 from kvblocks.event_codec import BlockStored
-from kvblocks.hashing import BlockHash
+from kvblocks.events import EventSink
+from kvblocks.hashing import BlockHash, Namespace
+from kvblocks.tiers.config import TierConfig
+from kvblocks.tiers.entry import group_tag, namespace_tag
 from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.pending import _Counts, _GroupPlan
 from kvblocks.tiers.storage_tier import StorageTier
 from kvblocks.tiers.transfers import BlockSave
 
-__all__ = ["TierStack"]
+__all__ = ["TierStack", "tier_stacks"]
 
 
 class TierStack:
@@ -90,6 +96,11 @@ class TierStack:
     def holds(self, key: BlockHash) -> bool:
         """Whether the host tier or (known, healthy) storage holds ``key``. Pure."""
         return self.where(key) is not None
+
+    def acquire_host(self, blocks: list[int]) -> None:
+        """Hold host blocks a swap-in reads (an eviction cannot take them until the plan completes)."""
+        if self.host is not None:
+            self.host.acquire(blocks)
 
     def host_run(self, hashes: Sequence[BlockHash], start: int, stop: int) -> list[int]:
         """Host blocks of the run of ``hashes[start:stop]`` the host tier holds, from ``start``. Pure."""
@@ -184,3 +195,72 @@ class TierStack:
         if self.storage is not None:
             events += self.storage.snapshot_events()
         return events
+
+
+def tier_stacks(
+    tiers: TierConfig,
+    config: CacheConfig,
+    locals_: Sequence[LocalGroupManager],
+    counts: _Counts,
+    *,
+    events: EventSink | None,
+    tag: tuple[int | None, str | None],
+) -> list[TierStack]:
+    """One stack per attention group from ``tiers``: group 0 (full attention, ``config``'s blocks, its events
+    tagged ``tag``), then each local group with its own host blocks (``group_host_blocks``) and, with
+    ``group_entry_formats``, its own storage keys and entry format in the same backend."""
+    if not isinstance(tiers, TierConfig):
+        raise ConfigError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
+    per_group = tiers.group_host_blocks
+    if per_group and len(per_group) != len(locals_):
+        raise ConfigError(
+            f"group_host_blocks names {len(per_group)} groups, the manager has {len(locals_)} local groups"
+        )
+    formats = tiers.group_entry_formats if tiers.storage is not None else ()
+    if formats and len(formats) != len(locals_):
+        raise ConfigError(
+            f"group_entry_formats names {len(formats)} groups, the manager has {len(locals_)} local groups"
+        )
+    policies = {"host_policy": tiers.host_policy, "storage_policy": tiers.storage_policy}
+    group, kind = tag
+    namespace = Namespace.of(config.namespace)
+    scheme, size, eviction = config.hash_scheme, config.block_size, tiers.host_eviction
+    first_host = (
+        HostTier(tiers.num_host_blocks, events=events, group=group, group_kind=kind, block_size=size, eviction=eviction)
+        if tiers.host_enabled
+        else None
+    )
+    first_storage = (
+        StorageTier(tiers, namespace, scheme, size, events=events, group=group, group_kind=kind)
+        if tiers.storage is not None
+        else None
+    )
+    stacks = [TierStack(0, first_host, first_storage, counts=counts, **policies)]
+    on = tiers.host_policy != "off"
+    base = namespace_tag(namespace, scheme, size)
+    for number, local in enumerate(locals_, 1):
+        count = per_group[number - 1] if per_group else 0
+        kind_name = local.kind.event_name
+        local_host = (
+            HostTier(count, events=events, group=number, group_kind=kind_name, block_size=local.block_size)
+            if on and count
+            else None
+        )
+        local_storage = (
+            StorageTier(
+                tiers,
+                namespace,
+                scheme,
+                local.block_size,
+                entry_format=formats[number - 1],
+                tag=group_tag(base, number, kind_name, local.block_size, local.span),
+                owns_backend=False,  # group 0's tier closes the backend, after the local groups' tiers
+                events=events,
+                group=number,
+                group_kind=kind_name,
+            )
+            if formats
+            else None
+        )
+        stacks.append(TierStack(number, local_host, local_storage, counts=counts, **policies))
+    return stacks

@@ -43,16 +43,15 @@ from kvblocks.core.groups.hits import longest_common_hit, needed_blocks
 from kvblocks.core.groups.local_group import LocalGroupManager
 from kvblocks.core.groups.protocol import GroupCopies
 from kvblocks.core.sequence import _Sequence
-from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError
+from kvblocks.errors import IntegrityError, InvalidArgumentError
 from kvblocks.event_codec import BlockStored
 from kvblocks.events import EventSink
-from kvblocks.hashing import BlockHash, Namespace
+from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
 from kvblocks.tiers.config import TierConfig
-from kvblocks.tiers.entry import group_tag, namespace_tag
 from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.pending import TierStats, _Admission, _Counts, _Pending, _Plan
-from kvblocks.tiers.stack import TierStack
+from kvblocks.tiers.stack import tier_stacks
 from kvblocks.tiers.storage_tier import LoadOutcome, StorageTier
 from kvblocks.tiers.transfers import GroupTransfers, TransferPlan, per_group
 
@@ -78,72 +77,12 @@ class Tiering:
         events: EventSink | None,
         tag: tuple[int | None, str | None],
     ) -> None:
-        if not isinstance(tiers, TierConfig):
-            raise ConfigError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
-        per_group = tiers.group_host_blocks
-        if per_group and len(per_group) != len(locals_):
-            raise ConfigError(
-                f"group_host_blocks names {len(per_group)} groups, the manager has {len(locals_)} local groups"
-            )
-        formats = tiers.group_entry_formats if tiers.storage is not None else ()
-        if formats and len(formats) != len(locals_):
-            raise ConfigError(
-                f"group_entry_formats names {len(formats)} groups, the manager has {len(locals_)} local groups"
-            )
         self.config = tiers
         self.counts = _Counts()
         self.save_on_preempt = tiers.save_on_preempt
-        group, kind = tag
-        host = (
-            HostTier(
-                tiers.num_host_blocks,
-                events=events,
-                group=group,
-                group_kind=kind,
-                block_size=config.block_size,
-                eviction=tiers.host_eviction,
-            )
-            if tiers.host_enabled
-            else None
-        )
-        namespace = Namespace.of(config.namespace)
-        storage = (
-            StorageTier(
-                tiers, namespace, config.hash_scheme, config.block_size, events=events, group=group, group_kind=kind
-            )
-            if tiers.storage is not None
-            else None
-        )
-        self.stacks = [self._stack(0, host, storage)]
-        on = tiers.host_policy != "off"
-        base = namespace_tag(namespace, config.hash_scheme, config.block_size)
-        for index, local in enumerate(locals_):
-            number = index + 1
-            count = per_group[index] if per_group else 0
-            kind_name = local.kind.event_name
-            local_host = (
-                HostTier(count, events=events, group=number, group_kind=kind_name, block_size=local.block_size)
-                if on and count
-                else None
-            )
-            local_storage = (
-                StorageTier(
-                    tiers,
-                    namespace,
-                    config.hash_scheme,
-                    local.block_size,
-                    entry_format=formats[index],
-                    tag=group_tag(base, number, kind_name, local.block_size, local.span),
-                    owns_backend=False,  # group 0's tier closes the backend, after the local groups' tiers
-                    events=events,
-                    group=number,
-                    group_kind=kind_name,
-                )
-                if formats
-                else None
-            )
-            local.tiers = self._stack(number, local_host, local_storage)
-        self.stacks += [local.tiers for local in locals_]  # type: ignore[misc]  # each was just given one
+        self.stacks = tier_stacks(tiers, config, locals_, self.counts, events=events, tag=tag)
+        for local, stack in zip(locals_, self.stacks[1:], strict=True):
+            local.tiers = stack
         self.locals = list(locals_)
         self.pools = [pool, *(local.pool for local in locals_)]  # each group's device pool
         self.events = events is not None
@@ -155,11 +94,6 @@ class Tiering:
         self.held_results: list[tuple[int, int, LoadOutcome]] = []
         self.probes: dict[Hashable, list[tuple[int, int]]] = {}  # sequence -> (group, storage check) unanswered
         self.hold_for: _Sequence | None = None  # a sequence preempted with saves: its blocks wait for the plan
-
-    def _stack(self, number: int, host: HostTier | None, storage: StorageTier | None) -> TierStack:
-        config = self.config
-        policies = {"host_policy": config.host_policy, "storage_policy": config.storage_policy}
-        return TierStack(number, host, storage, counts=self.counts, **policies)
 
     def _new_plan(self, plan_id: int) -> _Plan:
         plan = _Plan(plan_id, len(self.stacks))
@@ -189,7 +123,7 @@ class Tiering:
         if start < limit:
             self._probe(seq_id, 0, hashes[start:limit])
         for local in self.locals:
-            stack: TierStack = local.tiers  # type: ignore[assignment]  # every local group has a stack
+            stack = self.stacks[local.number]
             if stack.storage is None:
                 continue
             keys = local.keys(hashes)
@@ -251,9 +185,20 @@ class Tiering:
         admission.deadline = max(admission.deadline, time.monotonic() + storage.timeout_s)
         self.loads[number, request] = admission
 
-    def leave(self, s: _Sequence) -> tuple[_Admission | None, _Plan | None]:
+    def leave(self, s: _Sequence) -> tuple[_Admission | None, list[list[list[int]] | None]]:
         """A sequence leaves: forget its pending admission (its loads are skipped or dropped). Returns that
-        admission, and the in-flight plan whose copies still write into its blocks (their releases wait for it)."""
+        admission, and per group where its release order waits (None: released now): the in-flight plan whose
+        copies still write into its blocks, or (group 0) the open plan that saves them before a preemption."""
+        admission, copying = self._cancel(s)
+        groups: list[list[list[int]] | None] = [None] * len(self.stacks)
+        if copying is not None:
+            groups = [part.deferred for part in copying.groups]
+        elif self.hold_for is s:
+            groups[0] = self.open.groups[0].deferred
+        return admission, groups
+
+    def _cancel(self, s: _Sequence) -> tuple[_Admission | None, _Plan | None]:
+        """Forget the pending admission of ``s``; the in-flight plan whose copies still write into its blocks."""
         admission = self.admissions.pop(id(s), None)
         if admission is None:
             return None, None

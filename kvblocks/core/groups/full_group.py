@@ -19,19 +19,15 @@ tables, the step and every other group follow). What only this group does:
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from kvblocks.config import CacheConfig
-from kvblocks.core.groups.sources import take_blocks
+from kvblocks.core.groups.sources import GroupTiers, take_blocks
 from kvblocks.core.sequence import _Sequence
 from kvblocks.core.timed_tree import _TimedTree
 from kvblocks.errors import IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash, HashedTokens
 from kvblocks.pool import BlockPool
-
-if TYPE_CHECKING:  # annotations only: tiers sit above the groups
-    from kvblocks.tiers.stack import TierStack
 
 __all__ = ["FullAttentionGroup"]
 
@@ -49,7 +45,7 @@ class FullAttentionGroup:
         self.pool = BlockPool(config.num_blocks, eviction=config.eviction)
         group, kind = tag
         self.tree = _TimedTree(self.pool, events=events, group=group, group_kind=kind, block_size=config.block_size)
-        self.tiers: TierStack | None = None
+        self.tiers: GroupTiers | None = None
 
     def take(self, count: int) -> list[int]:
         """``count`` fresh blocks, evicting idle leaves (written back when the group has tiers)."""

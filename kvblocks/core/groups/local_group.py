@@ -18,20 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvblocks.core.groups.block_index import FlatBlockIndex
 from kvblocks.core.groups.hits import GroupHitRule, needed_blocks
 from kvblocks.core.groups.protocol import Ask, GroupCopies
 from kvblocks.core.groups.registry import GROUP_KIND_RULES, kind_rules
-from kvblocks.core.groups.sources import DEVICE, HOST, REMOTE, STORED, take_blocks
+from kvblocks.core.groups.sources import DEVICE, HOST, REMOTE, STORED, GroupTiers, take_blocks
 from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
-
-if TYPE_CHECKING:  # annotations only: tiers sit above the groups
-    from kvblocks.tiers.stack import TierStack
 
 _Sources = tuple[int, list[tuple[int, int, int]], "Sequence[int] | None"]
 
@@ -125,7 +122,7 @@ class LocalGroupManager:
         self.index = FlatBlockIndex(self.pool, events=events, group=number, group_kind=self.kind.event_name)
         self.tables: dict[int, list[int]] = {}  # id(_Sequence) -> table
         self.released: dict[int, int] = {}  # id(_Sequence) -> leading positions already released
-        self.tiers: TierStack | None = None
+        self.tiers: GroupTiers | None = None
 
     # ------------------------------------------------------------------ formulas
 
@@ -258,8 +255,8 @@ class LocalGroupManager:
         first, held, remote = sources
         self.pool._acquire_valid([block for _, block, where in held if where == DEVICE])
         from_host = [block for _, block, where in held if where == HOST]
-        if from_host and self.tiers is not None and self.tiers.host is not None:
-            self.tiers.host.acquire(from_host)  # before an eviction can write back into the host tier
+        if from_host and self.tiers is not None:
+            self.tiers.acquire_host(from_host)  # before an eviction can write back into the host tier
         start = max(first, cached)
         fresh = iter(self.take(end - start + sum(1 for *_, where in held if where != DEVICE)))
         table = [PLACEHOLDER] * first

@@ -7,6 +7,7 @@ ones first, then idle cached ones its index evicts, whose content moves down to 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from kvblocks.pool import BlockPool
@@ -14,7 +15,7 @@ from kvblocks.pool import BlockPool
 if TYPE_CHECKING:  # annotations only
     from kvblocks.hashing import BlockHash
 
-__all__ = ["DEVICE", "HOST", "REMOTE", "STORED", "EvictingIndex", "take_blocks"]
+__all__ = ["DEVICE", "HOST", "REMOTE", "STORED", "EvictingIndex", "GroupTiers", "take_blocks"]
 
 DEVICE, HOST, STORED, REMOTE = 0, 1, 2, 3
 
@@ -25,11 +26,34 @@ class EvictingIndex(Protocol):
     def evict(self, count: int, removed_hashes: list[BlockHash] | None = None) -> list[int]: ...
 
 
-class _Tiers(Protocol):
-    def evict_from(self, index: EvictingIndex, count: int) -> None: ...
+class GroupTiers(Protocol):
+    """What a group asks of its tiers (:class:`~kvblocks.tiers.stack.TierStack`, which sits above the groups)."""
+
+    writes_through: bool
+    """Whether committed blocks are copied down as they are committed."""
+
+    def where(self, key: BlockHash) -> tuple[int, int] | None:
+        """``(HOST, host block)``, ``(STORED, -1)``, or None: where the tiers hold ``key``."""
+        ...
+
+    def holds(self, key: BlockHash) -> bool: ...
+
+    def acquire_host(self, blocks: list[int]) -> None:
+        """Hold host blocks a swap-in reads (an eviction cannot take them until the plan completes)."""
+        ...
+
+    def evict_from(self, index: EvictingIndex, count: int) -> None:
+        """Evict ``count`` idle blocks from the group's index; their content moves down (write-back)."""
+        ...
+
+    def written(
+        self, block_of: Callable[[BlockHash], int | None], keys: Sequence[BlockHash], start: int, stop: int
+    ) -> None:
+        """Positions ``[start, stop)`` were just committed (write-through)."""
+        ...
 
 
-def take_blocks(pool: BlockPool, index: EvictingIndex, tiers: _Tiers | None, count: int) -> list[int]:
+def take_blocks(pool: BlockPool, index: EvictingIndex, tiers: GroupTiers | None, count: int) -> list[int]:
     """``count`` fresh blocks of a group's ``pool``, evicting idle cached ones from its ``index`` first when the
     fresh ones fall short (what they held moves down to ``tiers``, when the group has some)."""
     short = count - pool.num_fresh

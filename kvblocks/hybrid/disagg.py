@@ -196,8 +196,7 @@ class HybridDecodeManager(DecodeManager, HybridKVCacheManager):
                     block = next(new)
                     moves.append((group.blocks[position], block))
                 table.append(block)
-            local.tables[id(s)] = table
-            local.released[id(s)] = first
+            local.set_table(id(s), table, prompt, prompt)
             out.append((table, moves))
         for recurrent, group in zip(self._recurrents, handoff.groups[len(plans) :], strict=True):
             slot = recurrent.receive(id(s))

@@ -196,6 +196,8 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
     def _setup_tiers(self, tiers: TierConfig) -> None:
         if self._recurrents:
             raise ConfigError("tiers serve attention groups only: recurrent groups have no host or storage tier yet")
+        for local in self._locals:
+            local.require_block_per_position("a tiered manager")
         if not isinstance(tiers, TierConfig):
             raise ConfigError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
         per_group = tiers.group_host_blocks
@@ -507,8 +509,7 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
             else:
                 loads.append((target, position))
         table.extend(taken)
-        local.tables[id(s)] = table
-        local.released[id(s)] = first
+        local.set_table(id(s), table, hit * self._block_size, s.content.num_tokens)
         return swaps, loads
 
     def _pend(
@@ -653,8 +654,7 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
             else:
                 defer_to = self._inflight[admission.swap_plan]  # type: ignore[assignment]
         for number, local in enumerate(self._locals):
-            table = local.tables.pop(key)
-            del local.released[key]
+            table = local.pop_table(key)
             order = [b for b in reversed(table) if b != PLACEHOLDER]
             if defer_to is not None:
                 defer_to.group_deferred[number].append(order)  # blocks a copy in flight writes into
@@ -878,15 +878,7 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         key = id(s)
         tokens = valid * self._block_size
         for local in self._locals:
-            table = local.tables[key]
-            first = local.first_needed(tokens)
-            end = local.blocks_for(valid)
-            leaving = [b for b in table[:first] if b != PLACEHOLDER]
-            dropped = [b for b in reversed(table[end:]) if b != PLACEHOLDER]
-            table[:] = [PLACEHOLDER] * first + table[first:end]
-            local.pool._release_valid(leaving)
-            local.pool._release_valid(dropped)
-            local.released[key] = first
+            local.cut_back(key, tokens)
 
     def _finish(self, admission: _Admission) -> None:
         """As the tiered manager's; the local blocks whose copies landed become findable too."""
@@ -897,9 +889,7 @@ class TieredHybridKVCacheManager(TieredKVCacheManager, HybridKVCacheManager):
         hashes = s.content.hashes
         for local in self._locals:
             key = id(s)
-            local.index.insert_run(
-                local.keys(hashes), local.tables[key], local.released[key], s.num_committed // local.block_size
-            )
+            local.index_committed(key, hashes, s.num_committed)
 
     # ------------------------------------------------------------------ events
 

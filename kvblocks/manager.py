@@ -317,7 +317,8 @@ class KVCacheManager:
         total = (hits * size + n + k + size - 1) // size
         short = total - hits - (pool.num_free - pool.count_idle(matched) - self._reserve)
         if groups is not None:
-            for answer in groups.answers(id(s), s.content.hashes, hits, total, size):
+            covered = hits * size + n
+            for answer in groups.answers(id(s), s.content.hashes, hits, total, size, s.content.num_tokens, covered):
                 if answer is not None:
                     short = max(short, answer[0])
         return max(0, short)
@@ -573,7 +574,7 @@ class KVCacheManager:
         need = (covered + k + size - 1) // size - hits
         if need > pool.num_free - pool.count_idle(matched) - self._reserve:
             return None
-        if not self._admit_beside(seq_id, s, hits, need):
+        if not self._admit_beside(seq_id, s, hits, need, covered):
             return None
         if hits:
             pool._acquire_valid(matched)  # nodes the tree just matched: valid by construction
@@ -587,18 +588,19 @@ class KVCacheManager:
         self._admitted(seq_id, CachedTokens(device=hits * size, num_prompt_tokens=s.content.num_tokens), s.preempted)
         return s.view
 
-    def _admit_beside(self, seq_id: Hashable, s: _Sequence, hits: int, need: int) -> bool:
+    def _admit_beside(self, seq_id: Hashable, s: _Sequence, hits: int, need: int, covered: int | None = None) -> bool:
         """The other layer groups' part of an admission of ``hits`` cached and ``need`` new blocks, once full
         attention's pool has room. Two phases: every group says what it lacks for the hit (raising
         :class:`StaleLookupError` when one no longer serves it), then -- only when none lacks anything --
-        every group takes. False (and no change) when a group lacks room."""
+        every group takes. False (and no change) when a group lacks room. ``covered``: the tokens the
+        admission's slots cover before lookahead (None: not known)."""
         groups = self._coordinator
         if groups is None:
             return True
         size = self._block_size
         key = id(s)
         total = hits + need
-        answers = groups.answers(key, s.content.hashes, hits, total, size)
+        answers = groups.answers(key, s.content.hashes, hits, total, size, s.content.num_tokens, covered)
         if None in answers:  # only when the caller named a shorter hit than every group serves
             raise StaleLookupError(
                 f"sequence {seq_id!r}: a group no longer holds what the {hits * size}-token hit seen needs"

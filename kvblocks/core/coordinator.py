@@ -171,11 +171,24 @@ class GroupCoordinator:
 
     # ------------------------------------------------------------------ admission and growth
 
-    def answers(self, key: int, hashes: Sequence[BlockHash], hits: int, total: int, chain_block_size: int) -> list:  # type: ignore[type-arg]
-        """Every group's answer to an admission of ``hits`` cached chain blocks growing to ``total``. Pure."""
+    def answers(
+        self,
+        key: int,
+        hashes: Sequence[BlockHash],
+        hits: int,
+        total: int,
+        chain_block_size: int,
+        prompt: int | None = None,
+        covered: int | None = None,
+    ) -> list:  # type: ignore[type-arg]
+        """Every group's answer to an admission of ``hits`` cached chain blocks growing to ``total``, of a
+        sequence that knows ``prompt`` tokens, its slots covering ``covered`` before lookahead. Pure."""
         tokens = hits * chain_block_size
         encoder = self.encoder_tokens.get(key, 0)
-        return [group.admission(hashes, hits, total, tokens, encoder) for group in self.groups]
+        return [
+            group.admission(hashes, hits, total, tokens, encoder, prompt=prompt, covered=covered)
+            for group in self.groups
+        ]
 
     def take(self, key: int, hits: int, total: int, chain_block_size: int, answers: list) -> None:  # type: ignore[type-arg]
         """The second phase: every group takes what its answer found room for."""

@@ -58,7 +58,15 @@ class _Cross:
         return -(-encoder_tokens // self.block_size)
 
     def admission(
-        self, hashes: Sequence[BlockHash], hits: int, total: int, hit_tokens: int, encoder: int
+        self,
+        hashes: Sequence[BlockHash],
+        hits: int,
+        total: int,
+        hit_tokens: int,
+        encoder: int,
+        *,
+        prompt: int | None = None,
+        covered: int | None = None,
     ) -> tuple[int, Any] | None:
         """The group's part of an admission (see :class:`~kvblocks.hybrid.local.LocalGroupManager`): the
         blocks the sequence's encoder tokens lack (a hit needs nothing here)."""

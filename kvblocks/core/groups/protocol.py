@@ -24,10 +24,19 @@ class GroupManager(Protocol):
     """The group's index in the manager (0 is full attention)."""
 
     def admission(
-        self, hashes: Sequence[BlockHash], hits: int, total: int, hit_tokens: int, encoder: int
+        self,
+        hashes: Sequence[BlockHash],
+        hits: int,
+        total: int,
+        hit_tokens: int,
+        encoder: int,
+        *,
+        prompt: int | None = None,
+        covered: int | None = None,
     ) -> tuple[int, Any] | None:
         """For an admission of ``hits`` cached chain blocks (``hit_tokens`` tokens) growing to ``total`` chain
-        blocks, of a sequence with ``encoder`` encoder tokens: (blocks the group lacks, what
+        blocks, of a sequence with ``encoder`` encoder tokens that knows ``prompt`` tokens and whose slots cover
+        ``covered`` tokens before lookahead (None: not known): (blocks the group lacks, what
         :meth:`take_admission` needs), or None when the group no longer serves the hit. Pure."""
         ...
 

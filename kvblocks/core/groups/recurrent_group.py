@@ -153,7 +153,15 @@ class _Recurrent:
             self.ops.append(StateCopy(self.number, None, slot))  # stale bytes of another state look like NaN
 
     def admission(
-        self, hashes: Sequence[BlockHash], hits: int, total: int, hit_tokens: int, encoder: int
+        self,
+        hashes: Sequence[BlockHash],
+        hits: int,
+        total: int,
+        hit_tokens: int,
+        encoder: int,
+        *,
+        prompt: int | None = None,
+        covered: int | None = None,
     ) -> tuple[int, Any] | None:
         """The group's part of an admission (see :class:`~kvblocks.hybrid.local.LocalGroupManager`): None when
         the hit has no checkpoint; else one "block" short when no slot is free (preempting one sequence helps)."""

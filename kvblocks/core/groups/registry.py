@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from kvblocks.core.groups.chunked_local import ChunkedLocal
+from kvblocks.core.groups.circular_buffer import CircularBuffer
 from kvblocks.core.groups.cross_attention import CrossAttention
 from kvblocks.core.groups.full import FullAttention
 from kvblocks.core.groups.recurrent import RecurrentState
@@ -21,7 +22,14 @@ __all__ = ["GROUP_KIND_RULES", "kind_rules", "register_kind", "unregister_kind"]
 
 _KINDS: dict[str, KindRules] = {
     rules.name: rules
-    for rules in (FullAttention(), SlidingWindow(), ChunkedLocal(), RecurrentState(), CrossAttention())
+    for rules in (
+        FullAttention(),
+        SlidingWindow(),
+        ChunkedLocal(),
+        RecurrentState(),
+        CrossAttention(),
+        CircularBuffer(),
+    )
 }
 _BUILT_IN = frozenset(_KINDS)
 

@@ -14,6 +14,7 @@ from kvblocks.core.groups.circular_buffer import CircularBuffer
 from kvblocks.core.groups.cross_attention import CrossAttention
 from kvblocks.core.groups.full import FullAttention
 from kvblocks.core.groups.recurrent import RecurrentState
+from kvblocks.core.groups.retained_prefix_window import RetainedPrefixWindow
 from kvblocks.core.groups.rules import KindRules
 from kvblocks.core.groups.sliding_window import SlidingWindow
 from kvblocks.errors import ConfigError
@@ -29,6 +30,7 @@ _KINDS: dict[str, KindRules] = {
         RecurrentState(),
         CrossAttention(),
         CircularBuffer(),
+        RetainedPrefixWindow(),
     )
 }
 _BUILT_IN = frozenset(_KINDS)

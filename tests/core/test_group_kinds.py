@@ -122,6 +122,7 @@ def test_unknown_kinds_and_bad_spans_are_config_errors_naming_the_known_kinds() 
         "cross_attention",
         "circular_buffer",
         "retained_prefix_window",
+        "capped_sliding_window",
     }
 
 

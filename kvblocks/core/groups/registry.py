@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from kvblocks.core.groups.capped_sliding_window import CappedSlidingWindow
 from kvblocks.core.groups.chunked_local import ChunkedLocal
 from kvblocks.core.groups.circular_buffer import CircularBuffer
 from kvblocks.core.groups.cross_attention import CrossAttention
@@ -31,6 +32,7 @@ _KINDS: dict[str, KindRules] = {
         CrossAttention(),
         CircularBuffer(),
         RetainedPrefixWindow(),
+        CappedSlidingWindow(),
     )
 }
 _BUILT_IN = frozenset(_KINDS)

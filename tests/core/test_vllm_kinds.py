@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvblocks.core.groups import GROUP_KIND_RULES, kind_rules
 from kvblocks.core.groups.rules import covers, minus, union
-from kvblocks.errors import ConfigError
+from kvblocks.errors import ConfigError, HandoffError
 from kvblocks.hybrid import (
     PLACEHOLDER,
     GroupHitRule,
@@ -22,6 +22,8 @@ from kvblocks.hybrid import (
     longest_common_hit,
     needed_blocks,
 )
+from kvblocks.hybrid.disagg import HybridDecodeManager, HybridPrefillManager
+from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
 from kvblocks.tiers import TierConfig
 
 P = PLACEHOLDER
@@ -336,9 +338,45 @@ def test_a_circular_buffer_takes_one_block_per_sequence_whatever_its_length_or_h
 def test_a_circular_buffer_takes_no_block_size_and_tiers_refuse_it() -> None:
     with pytest.raises(ConfigError, match="takes no block_size"):
         HybridKVCacheManager(16, 4, local_groups=[LocalGroup("circular_buffer", span=8, num_blocks=4, block_size=8)])
-    from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
-
     with pytest.raises(ConfigError, match="a tiered manager does not serve circular_buffer groups"):
         TieredHybridKVCacheManager(
             16, 4, tiers=TierConfig(num_host_blocks=8), local_groups=[LocalGroup("circular_buffer", 8, 4)]
         )
+
+
+@pytest.mark.parametrize(
+    ("kind", "window_after_commit", "hit_table"),
+    [
+        # the prompt's 30 tokens all stay; the 28-token hit keeps blocks 0..6, position 7 is fresh
+        ("retained_prefix_window", list(range(8)), list(range(8))),
+        # tiers admit a capped window as a plain one (every position), then release as a window does
+        ("capped_sliding_window", [P] * 6 + [6, 7], [P] * 5 + [5, 6, 7]),
+    ],
+)
+def test_a_tiered_manager_serves_the_windows_it_admits_itself(
+    kind: str, window_after_commit: list[int], hit_table: list[int]
+) -> None:
+    m = TieredHybridKVCacheManager(8, 4, tiers=TierConfig(num_host_blocks=16), local_groups=[LocalGroup(kind, 6, 8)])
+    m.add_sequence("a", list(range(30)))
+    m.allocate("a", 30)
+    m.commit("a", 30)
+    assert m.group_block_table("a", 1) == window_after_commit
+    m.free("a")
+    m.add_sequence("c", list(range(30)))
+    assert m.lookup("c").device == 28
+    m.allocate("c", 2, num_cached_tokens=28)
+    assert m.group_block_table("c", 1) == hit_table
+    m.complete_transfers(m.take_transfers())
+    m.check_integrity()
+
+
+@pytest.mark.parametrize("kind", ["circular_buffer", "retained_prefix_window", "capped_sliding_window"])
+def test_a_decode_node_refuses_a_handoff_of_the_new_kinds(kind: str) -> None:
+    groups = [LocalGroup(kind, span=6, num_blocks=16)]
+    p = HybridPrefillManager(16, 4, local_groups=groups)
+    d = HybridDecodeManager(16, 4, local_groups=groups)
+    p.add_sequence("r", list(range(17)))
+    p.allocate("r", 17)
+    p.commit("r", 17)
+    with pytest.raises(HandoffError, match="handoff group kind must be one of sliding_window, chunked_local"):
+        d.accept_handoff(p.finish_prefill("r"), list(range(17)))

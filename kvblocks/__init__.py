@@ -15,6 +15,7 @@ import logging as _logging
 
 from kvblocks.accounting import CachedTokens, CacheStats, HitCounters
 from kvblocks.config import CacheConfig
+from kvblocks.core.manager import BlockTable, KVCacheManager
 from kvblocks.disagg import (
     DecodeAdmission,
     DecodeManager,
@@ -72,7 +73,6 @@ from kvblocks.hashing import (
     block_hashes,
     blocks_overlapping,
 )
-from kvblocks.manager import BlockTable, KVCacheManager
 from kvblocks.pool import BlockPool
 from kvblocks.radix import PrefixMatch, PrefixTree
 

@@ -8,7 +8,7 @@ from kvblocks.errors import ConfigError
 from kvblocks.eviction import DEFAULT_EVICTION, check_eviction
 from kvblocks.hashing import DEFAULT_SCHEME, HASH_SCHEMES, Namespace
 
-__all__ = ["CacheConfig"]
+__all__ = ["ROLES", "CacheConfig", "DisaggConfig"]
 
 
 def _positive_int(value: object, what: str) -> None:
@@ -56,3 +56,30 @@ class CacheConfig:
         if not isinstance(self.drop_last_matched_block, bool):
             raise ConfigError(f"drop_last_matched_block must be a bool, got {self.drop_last_matched_block!r}")
         check_eviction(self.eviction)
+
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """A node's role, validated once.
+
+    >>> DisaggConfig(role="decode", reserve_blocks_per_sequence=2).role
+    'decode'
+    >>> DisaggConfig(role="both")
+    Traceback (most recent call last):
+    ...
+    kvblocks.errors.ConfigError: role must be one of mixed, prefill, decode; got 'both'
+    """
+
+    role: str = "mixed"
+    reserve_blocks_per_sequence: int = 1
+    """Decode: blocks kept free for each running sequence's growth; a handoff may not use them."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
+        reserve = self.reserve_blocks_per_sequence
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+            raise ConfigError(f"reserve_blocks_per_sequence must be an int >= 0, got {reserve!r}")

@@ -43,11 +43,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvblocks.accounting import LIFETIME_BUCKETS, Histogram
+from kvblocks.core.manager import KVCacheManager
 from kvblocks.disagg import DecodeManager
 from kvblocks.errors import BackendUnavailableError, InvalidArgumentError, MissingExtraError
-from kvblocks.manager import KVCacheManager
 from kvblocks.routing import Lease, Router
-from kvblocks.tiers.manager import TieredKVCacheManager
 
 if TYPE_CHECKING:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -351,7 +350,7 @@ def _collect_manager(f: _Families, name: str, manager: KVCacheManager) -> None:
     lifetimes = manager.block_lifetimes
     f.histogram("kvblocks_block_lifetime_seconds", cache, *_histogram(lifetimes.lifetime))
     f.histogram("kvblocks_block_idle_before_eviction_seconds", cache, *_histogram(lifetimes.idle))
-    if isinstance(manager, TieredKVCacheManager):
+    if manager.tiers is not None:
         _collect_tiers(f, cache, manager)
     if isinstance(manager, DecodeManager):
         counters = manager.decode_counters
@@ -379,7 +378,7 @@ def _histogram(histogram: Histogram) -> tuple[list[tuple[str, float]], float]:
     return [(_bucket_label(b), c) for b, c in zip(histogram.bounds, cumulative, strict=True)], total
 
 
-def _collect_tiers(f: _Families, cache: dict[str, str], manager: TieredKVCacheManager) -> None:
+def _collect_tiers(f: _Families, cache: dict[str, str], manager: KVCacheManager) -> None:
     tiers = manager.tier_stats
     host = manager.host
     if host is not None:

@@ -18,10 +18,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvblocks.core.manager import KVCacheManager
 from kvblocks.errors import ConfigError
 from kvblocks.events import EventRecord, EventSink
 from kvblocks.eviction import DEFAULT_EVICTION, check_eviction
-from kvblocks.manager import KVCacheManager
 from kvblocks.traces import Trace, TraceRequest
 
 __all__ = [
@@ -302,7 +302,7 @@ def _managers(
     if not host and not storage:
         return [KVCacheManager(per_worker, block_size, event_sink=events[i], eviction=eviction) for i in range(workers)]
     from kvblocks.hashing import DEFAULT_SCHEME
-    from kvblocks.tiers import EntryFormat, MemoryStorage, TierConfig, TieredKVCacheManager
+    from kvblocks.tiers import EntryFormat, MemoryStorage, TierConfig
     from kvblocks.tiers.entry import HEADER
 
     entry = EntryFormat(DEFAULT_SCHEME, "uint8", (1,), 0, 1)  # bookkeeping only: a one-byte payload
@@ -314,7 +314,7 @@ def _managers(
         host_eviction=eviction,
     )
     return [
-        TieredKVCacheManager(per_worker, block_size, tiers=config, event_sink=events[i], eviction=eviction)
+        KVCacheManager(per_worker, block_size, tiers=config, event_sink=events[i], eviction=eviction)
         for i in range(workers)
     ]
 

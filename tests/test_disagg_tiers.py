@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import kvblocks.presets
 from kvblocks import (
     CacheConfig,
     CachedTokens,
@@ -87,23 +88,33 @@ def move(src: SimEngine, dst: SimEngine, transfers) -> None:
         ("decode", "DecodeManager", "TieredDecodeManager"),
     ],
 )
-def test_manager_for_role_builds_the_tiered_class_when_tiers_are_given(role: str, plain: str, tiered: str) -> None:
+def test_manager_for_role_builds_the_role_s_class_over_tiers_when_tiers_are_given(
+    role: str, plain: str, tiered: str
+) -> None:
+    """One class per role; the tiers are a part of the manager, and the previous release's tiered names
+    answer isinstance for a manager with that role and tiers."""
     config = CacheConfig(16, B)
     disagg = DisaggConfig(role=role, reserve_blocks_per_sequence=2)
-    assert type(manager_for_role(config, disagg)).__name__ == plain
+    untiered = manager_for_role(config, disagg)
+    assert type(untiered).__name__ == plain and untiered.tiers is None and untiered.host is None
     m = manager_for_role(config, disagg, tiers=tiers(num_host_blocks=8))
-    assert type(m).__name__ == tiered
+    assert type(m).__name__ == plain and m.tiers is not None
+    assert isinstance(m, getattr(kvblocks.presets, tiered)) and not isinstance(
+        untiered, getattr(kvblocks.presets, tiered)
+    )
     assert isinstance(m, TieredKVCacheManager) and m.role == role
     assert m.host is not None and m.host.pool.num_blocks == 8
     if role == "decode":
-        assert m.reserve_blocks == 0 and m._reserve_per_sequence == 2
+        assert m.reserve_blocks == 0 and m._decode.reserve_per_sequence == 2  # type: ignore[attr-defined]
 
 
 def test_tiered_roles_are_both_roles() -> None:
-    assert issubclass(TieredPrefillManager, PrefillManager) and issubclass(TieredPrefillManager, TieredKVCacheManager)
-    assert issubclass(TieredDecodeManager, DecodeManager) and issubclass(TieredDecodeManager, TieredKVCacheManager)
     d = TieredDecodeManager(8, B, tiers=tiers(num_host_blocks=2), reserve_blocks_per_sequence=3)
-    assert d.role == "decode" and d._reserve_per_sequence == 3 and d.host is not None
+    assert isinstance(d, DecodeManager) and isinstance(d, TieredKVCacheManager) and isinstance(d, TieredDecodeManager)
+    assert not isinstance(d, PrefillManager) and not isinstance(d, TieredPrefillManager)
+    assert d.role == "decode" and d._decode.reserve_per_sequence == 3 and d.host is not None
+    p = TieredPrefillManager(8, B, tiers=tiers(num_host_blocks=2))
+    assert isinstance(p, PrefillManager) and isinstance(p, TieredKVCacheManager) and not isinstance(p, DecodeManager)
 
 
 def test_manager_for_role_refuses_tiers_that_are_not_a_tier_config() -> None:

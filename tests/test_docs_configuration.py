@@ -30,7 +30,7 @@ DATACLASSES = [
     "kvblocks.disagg.DisaggConfig",
     "kvblocks.routing.RouterConfig",
     "kvblocks.backends.spec.KVCacheSpec",
-    "kvblocks.hybrid.manager.LocalGroup",
+    "kvblocks.hybrid.LocalGroup",
     "kvblocks.hybrid.recurrent.RecurrentGroup",
     "kvblocks.hybrid.cross.CrossAttentionGroup",
 ]

@@ -351,7 +351,7 @@ def test_s3fifo_keeps_a_reused_prefix_through_a_scan_that_flushes_lru() -> None:
 
 def test_a_tiered_manager_with_s3fifo_on_both_tiers_serves_from_host() -> None:
     m = TieredKVCacheManager(5, 4, tiers=TierConfig(num_host_blocks=8, host_eviction="s3fifo"), eviction="s3fifo")
-    assert m.pool.eviction == "s3fifo" and m._host is not None and m._host.pool.eviction == "s3fifo"
+    assert m.pool.eviction == "s3fifo" and m.host is not None and m.host.pool.eviction == "s3fifo"
     m.add_sequence("a", list(range(17)))
     m.allocate("a", 17)
     m.commit("a", 17)
@@ -371,8 +371,8 @@ def test_a_tiered_manager_with_s3fifo_on_both_tiers_serves_from_host() -> None:
         m.free(seq)
     m.complete_transfers(m.take_transfers())
     m.check_integrity()
-    m._host.check_integrity()
-    assert m._host.pool.num_idle <= 8
+    m.host.check_integrity()
+    assert m.host.pool.num_idle <= 8
 
 
 @pytest.mark.parametrize("name", list(EVICTION_POLICIES))

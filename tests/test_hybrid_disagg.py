@@ -25,9 +25,8 @@ from kvblocks import (
 )
 from kvblocks.disagg import GROUPS_HANDOFF_VERSION, HandoffGroup
 from kvblocks.errors import ConfigError
-from kvblocks.hybrid import PLACEHOLDER, HybridKVCacheManager, LocalGroup
+from kvblocks.hybrid import PLACEHOLDER, HybridDecodeManager, HybridKVCacheManager, HybridPrefillManager, LocalGroup
 from kvblocks.hybrid.cross import CrossAttentionGroup
-from kvblocks.hybrid.disagg import HybridDecodeManager, HybridPrefillManager
 from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy
 from tests.conftest import manager_snapshot
 from tests.test_fuzz_decoders import byte_mutations, handoffs, json_mutations
@@ -520,15 +519,15 @@ def test_random_prompts_and_windows_hand_off_exactly_the_window(
 
 
 def test_a_local_group_of_another_block_size_cannot_be_handed_off() -> None:
+    """Refused when the role is set up (a prefill or decode node that could never hand off), not at the
+    first handoff."""
     wide = [LocalGroup("sliding_window", span=6, num_blocks=16, block_size=8)]
-    p = HybridPrefillManager(16, 4, local_groups=wide)
-    p.add_sequence("r", list(range(17)))
-    p.allocate("r", 17)
-    p.commit("r", 17)
-    with pytest.raises(ConfigError):
-        p.finish_prefill("r")
-    assert p.is_admitted("r") and not p.is_transferring("r")
-    p.check_integrity()
+    for role in (HybridPrefillManager, HybridDecodeManager):
+        with pytest.raises(ConfigError, match="block size"):
+            role(16, 4, local_groups=wide)
+    mixed = HybridKVCacheManager(16, 4, local_groups=wide)  # a mixed node hands nothing off: it may
+    mixed.add_sequence("r", list(range(17)))
+    assert mixed.allocate("r", 17) is not None
 
 
 # ---------------------------------------------------------------- recurrent states
@@ -610,10 +609,6 @@ def test_recurrent_layouts_must_match_and_recurrent_groups_carry_one_state_id() 
 
 
 def test_cross_attention_groups_are_not_handed_off() -> None:
-    p = HybridPrefillManager(16, B, cross_groups=[CrossAttentionGroup(4)])
-    p.add_sequence("r", [1, 2, 3])
-    p.allocate("r", 3)
-    p.commit("r", 3)
-    with pytest.raises(ConfigError):
-        p.finish_prefill("r")
-    assert not p.is_transferring("r")
+    for role in (HybridPrefillManager, HybridDecodeManager):
+        with pytest.raises(ConfigError, match="cross-attention"):
+            role(16, B, cross_groups=[CrossAttentionGroup(4)])

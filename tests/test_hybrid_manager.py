@@ -12,8 +12,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 from kvblocks import KVCacheManager, StaleLookupError
 from kvblocks.errors import ConfigError, InvalidArgumentError
 from kvblocks.events import EventSink
+from kvblocks.hybrid import PLACEHOLDER, HybridKVCacheManager, LocalGroup
 from kvblocks.hybrid.cross import CrossAttentionGroup
-from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup
 from kvblocks.hybrid.recurrent import RecurrentGroup
 
 B = 2

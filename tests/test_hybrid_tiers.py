@@ -19,9 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvblocks.accounting import CachedTokens
 from kvblocks.errors import ConfigError, InvalidArgumentError, StaleLookupError
-from kvblocks.hybrid import LocalGroup, RecurrentGroup
-from kvblocks.hybrid.manager import PLACEHOLDER
-from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
+from kvblocks.hybrid import PLACEHOLDER, LocalGroup, RecurrentGroup, TieredHybridKVCacheManager
 from kvblocks.tiers import BlockSave, EntryFormat, FileStorage, LoadResult, MemoryStorage, TierConfig, TransferPlan
 
 B = 4

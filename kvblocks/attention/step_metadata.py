@@ -41,8 +41,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvblocks.backends._torch import torch
+from kvblocks.core.manager import KVCacheManager, _Sequence
 from kvblocks.errors import InvalidArgumentError, SequenceStateError
-from kvblocks.manager import KVCacheManager, _Sequence
 
 __all__ = ["PAD", "StepMetadata", "StepMetadataBuilder"]
 

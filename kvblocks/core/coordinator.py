@@ -20,11 +20,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 from kvblocks.core.groups.cross_group import CrossAttentionGroup, _Cross
 from kvblocks.core.groups.hits import longest_common_hit, longest_group_hit, needed_blocks
 from kvblocks.core.groups.local_group import LocalGroup, LocalGroupManager
-from kvblocks.core.groups.protocol import GroupManager
+from kvblocks.core.groups.protocol import Ask, GroupCopies, GroupManager
 from kvblocks.core.groups.recurrent_group import RecurrentGroup, StateCopy, _Recurrent
 from kvblocks.core.groups.rules import NEVER
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError
@@ -61,11 +62,8 @@ def split_groups(
 
 
 class GroupCoordinator:
-    """Every layer group beside full attention, and the rules that span them.
-
-    ``take_local(index, count)`` is how local group ``index`` gets new blocks (a tiered manager's hook
-    writes the blocks it evicts back); sequences are keyed by ``id(sequence)``.
-    """
+    """Every layer group beside full attention, and the rules that span them; sequences are keyed by
+    ``id(sequence)``."""
 
     def __init__(
         self,
@@ -75,7 +73,6 @@ class GroupCoordinator:
         *,
         chain_block_size: int,
         events: EventSink | None,
-        take_local: Callable[[int, int], list[int]],
     ) -> None:
         given = (local_groups, recurrent_groups, cross_groups)
         if any(isinstance(groups, (str, bytes)) for groups in given):
@@ -88,8 +85,6 @@ class GroupCoordinator:
                 raise ConfigError(f"a group list holds something other than {kind.__name__} instances")
         size = chain_block_size
         self.locals = [LocalGroupManager(g, size, number, events) for number, g in enumerate(locals_, 1)]
-        for index, local in enumerate(self.locals):  # new blocks through the manager's hook (tiers write back)
-            local.take_blocks = partial(take_local, index)
         first = 1 + len(locals_)
         self.recurrents = [_Recurrent(g, first + i, size, events) for i, g in enumerate(recurrents)]
         first += len(recurrents)
@@ -151,8 +146,9 @@ class GroupCoordinator:
 
     # ------------------------------------------------------------------ the hit every group serves
 
-    def common_hit(self, hashes: Sequence[BlockHash], limit: int) -> int:
-        """The largest hit (tokens) at or below ``limit`` that every group beside full attention serves."""
+    def common_hit(self, hashes: Sequence[BlockHash], limit: int, *, tiers: bool = False) -> int:
+        """The largest hit (tokens) at or below ``limit`` that every group beside full attention serves: from
+        device (or, ``tiers``, also from each local group's host and storage tiers)."""
         locals_ = self.locals
         step = self.hit_step
         if len(locals_) == 1 and not self.recurrents:  # one local group: its answer below the run is the fixed point
@@ -161,9 +157,10 @@ class GroupCoordinator:
                 window = needed_blocks(local.rule, limit)  # the group holds the whole window below the limit
                 if all(map(local.index._block_of.__contains__, hashes[window.start : window.stop])):
                     return limit
-            return longest_group_hit(local.rule, limit, step, local.served(hashes))
+            served = local.held(hashes) if tiers else local.served(hashes)
+            return longest_group_hit(local.rule, limit, step, served)
         rules = [local.rule for local in locals_]
-        answers = [local.served(hashes) for local in locals_]
+        answers = [local.held(hashes) if tiers else local.served(hashes) for local in locals_]
         for recurrent in self.recurrents:
             rules.append(recurrent.rule)
             answers.append(_checkpointed(recurrent, hashes))
@@ -171,30 +168,18 @@ class GroupCoordinator:
 
     # ------------------------------------------------------------------ admission and growth
 
-    def answers(
-        self,
-        key: int,
-        hashes: Sequence[BlockHash],
-        hits: int,
-        total: int,
-        chain_block_size: int,
-        prompt: int | None = None,
-        covered: int | None = None,
-    ) -> list:  # type: ignore[type-arg]
-        """Every group's answer to an admission of ``hits`` cached chain blocks growing to ``total``, of a
-        sequence that knows ``prompt`` tokens, its slots covering ``covered`` before lookahead. Pure."""
-        tokens = hits * chain_block_size
-        encoder = self.encoder_tokens.get(key, 0)
-        return [
-            group.admission(hashes, hits, total, tokens, encoder, prompt=prompt, covered=covered)
-            for group in self.groups
-        ]
+    def answers(self, ask: Ask, remotes: Sequence[Sequence[int]] = ()) -> list[tuple[int, Any] | None]:
+        """Every group's answer to an admission (``remotes``: a handoff's tables, one per group). Pure."""
+        if remotes:
+            return [group.admission(ask, remote) for group, remote in zip(self.groups, remotes, strict=True)]
+        return [group.admission(ask, None) for group in self.groups]
 
-    def take(self, key: int, hits: int, total: int, chain_block_size: int, answers: list) -> None:  # type: ignore[type-arg]
-        """The second phase: every group takes what its answer found room for."""
-        tokens = hits * chain_block_size
-        for group, answer in zip(self.groups, answers, strict=True):
-            group.take_admission(key, hits, total, tokens, answer[1])
+    def take(self, key: int, ask: Ask, answers: list[tuple[int, Any] | None]) -> list[GroupCopies | None]:
+        """The second phase: every group takes what its answer found room for; each group's copies."""
+        return [
+            group.take_admission(key, ask, answer[1])  # type: ignore[index]  # the caller checked every answer
+            for group, answer in zip(self.groups, answers, strict=True)
+        ]
 
     def growth_short(self, key: int, total: int) -> int:
         """The most blocks a local group lacks to grow a sequence's tables to ``total`` chain blocks. Pure."""
@@ -219,7 +204,15 @@ class GroupCoordinator:
             return locals_[0].next_move(n)
         return min((local.next_move(n) for local in locals_), default=NEVER)
 
-    def release(self, key: int) -> None:
+    def release(self, key: int, deferred: Sequence[list[list[int]]] = ()) -> None:
+        """The sequence leaves every group; ``deferred[i]`` (when given) collects local group ``i``'s release
+        order instead, for a copy in flight into its blocks."""
+        if deferred:
+            for local, defer in zip(self.locals, deferred, strict=False):
+                local.release(key, defer)
+            for group in self.groups[len(self.locals) :]:
+                group.release(key)
+            return
         for group in self.groups:
             group.release(key)
 

@@ -28,7 +28,7 @@ Worked accounting example, block size 16, a 100-token prompt::
 """
 
 from kvblocks.disagg.config import ROLES, DisaggConfig
-from kvblocks.disagg.decode import DecodeAdmission, DecodeManager, RequestUsage, TieredDecodeManager
+from kvblocks.disagg.decode import DecodeAdmission, DecodeManager, DecodeRole, RequestUsage
 from kvblocks.disagg.decode import DecodeCounters as DecodeCounters
 from kvblocks.disagg.factory import manager_for_role
 from kvblocks.disagg.handoff import (
@@ -41,7 +41,8 @@ from kvblocks.disagg.handoff import (
 )
 from kvblocks.disagg.handoff import PLACEHOLDER as PLACEHOLDER
 from kvblocks.disagg.handoff import first_held_block as first_held_block
-from kvblocks.disagg.prefill import PrefillManager, TieredPrefillManager
+from kvblocks.disagg.prefill import PrefillManager, PrefillRole
+from kvblocks.presets import TieredDecodeManager, TieredPrefillManager  # the previous release's names
 
 # DecodeCounters, PLACEHOLDER, first_held_block: public but outside __all__, re-exported as before
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "ROLES",
     "DecodeAdmission",
     "DecodeManager",
+    "DecodeRole",
     "DisaggConfig",
     "GROUPS_HANDOFF_VERSION",
     "HANDOFF_GROUP_KINDS",
@@ -56,6 +58,7 @@ __all__ = [
     "HandoffGroup",
     "PrefillHandoff",
     "PrefillManager",
+    "PrefillRole",
     "RequestUsage",
     "TieredDecodeManager",
     "TieredPrefillManager",

@@ -1,25 +1,40 @@
-"""The decode role: :class:`DecodeManager`, which accepts handoffs, keeps a growth reserve and counts
-cached tokens once across the two nodes, and its tiered form."""
+"""The decode role: :class:`DecodeRole`, which accepts handoffs, keeps a growth reserve and counts cached
+tokens once across the two nodes, and :class:`DecodeManager`, the manager facade that adds its calls.
+
+``accept_handoff`` is the manager's one admission (every group says it has room, then every group
+takes), with the role supplying the hit and the copies: each group keeps what this node holds of the
+prompt below its device-side hit and copies the rest from the prefill node's blocks; a local group
+takes only the window at the prompt's end::
+
+    block size 4, window 6, a 17-token prompt (token 17 attends to tokens 12..17), a cold decode cache
+    position              0    1    2    3    4
+    prefill  group 0      5    6    7    8    9        source_blocks
+             group 1     -1   -1   -1    3    4        handoff.groups[0].blocks
+    decode   group 0      0    1    2    3    4        five copies
+             group 1     -1   -1   -1    0    1        two copies: (3 -> 0), (4 -> 1)
+
+A recurrent group's state after the prompt travels as one state copy (prefill state id -> a new slot).
+Handoffs are matched against the device only (host and storage runs are for this node's own
+re-admissions); the blocks an acceptance evicts go down the tiers as any eviction does, so run the
+step's plan (``take_transfers`` ... ``complete_transfers``) before the transferred KV is written.
+"""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvblocks.accounting import CachedTokens
-from kvblocks.config import CacheConfig
-from kvblocks.disagg.config import DisaggConfig
+from kvblocks.config import DisaggConfig
+from kvblocks.core.manager import KVCacheManager
+from kvblocks.core.sequence import BlockTable, _Sequence
 from kvblocks.disagg.handoff import PrefillHandoff
-from kvblocks.errors import ConfigError, DuplicateSequenceError, HandoffError, IntegrityError, SequenceStateError
-from kvblocks.events import EventSink
-from kvblocks.hashing import DEFAULT_SCHEME, BlockExtras, HashedTokens, Namespace
-from kvblocks.manager import BlockTable, KVCacheManager, _Sequence
-from kvblocks.tiers.config import TierConfig
-from kvblocks.tiers.manager import TieredKVCacheManager
+from kvblocks.disagg.prefill import handoff_layout
+from kvblocks.errors import DuplicateSequenceError, HandoffError, IntegrityError, SequenceStateError
+from kvblocks.hashing import BlockExtras, HashedTokens, Namespace
 
-__all__ = ["DecodeAdmission", "DecodeCounters", "DecodeManager", "RequestUsage", "TieredDecodeManager"]
+__all__ = ["DecodeAdmission", "DecodeCounters", "DecodeManager", "DecodeRole", "RequestUsage"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +48,9 @@ class DecodeAdmission:
     cached: CachedTokens
     """The request's cached tokens: the prefill report plus the decode-side hit beyond it."""
     group_tables: tuple[tuple[int, ...], ...] = ()
-    """Per group (0: ``table``; then a hybrid model's local groups): the decode-side table, PLACEHOLDER where
-    a local group holds no block (positions its window at the prompt's end does not reach)."""
+    """Per group (0: ``table``; then a hybrid model's local groups, then its recurrent groups' slots): the
+    decode-side table, PLACEHOLDER where a local group holds no block (positions its window at the prompt's
+    end does not reach)."""
     group_transfers: tuple[tuple[tuple[int, int], ...], ...] = ()
     """Per group (0: ``transfers``): the (source block, decode block) copies that fill that group's table."""
 
@@ -68,11 +84,156 @@ class DecodeCounters:
     transferred_blocks: int = 0
 
 
+class DecodeRole:
+    """The decode role of ``manager``: the prompts being received, each request's usage, the growth reserve."""
+
+    name = "decode"
+
+    def __init__(self, manager: DecodeManager, disagg: DisaggConfig) -> None:
+        self.layout = handoff_layout(manager)  # what a handoff must carry; refuses a layout it cannot carry
+        self._m = manager
+        self.reserve_per_sequence = disagg.reserve_blocks_per_sequence
+        config = manager.config
+        self.key_space = Namespace.of(config.namespace).tag(config.hash_scheme, config.block_size)
+        self.receiving: set[Hashable] = set()
+        self.usage: dict[Hashable, CachedTokens] = {}
+        self.counters = DecodeCounters()
+        manager._decode = self
+
+    # ------------------------------------------------------------------ what the manager asks
+
+    def guard(self, seq_id: Hashable, what: str) -> None:
+        if seq_id in self.receiving:
+            raise SequenceStateError(f"sequence {seq_id!r} is receiving its prompt's KV; it cannot {what} yet")
+
+    def admitted(self, seq_id: Hashable, cached: CachedTokens) -> None:
+        """A re-admission on this node (after a preemption): the request's usage stays the handoff's."""
+
+    def leaving(self, seq_id: Hashable, *, freeing: bool) -> None:
+        self.guard(seq_id, "be freed (use receive_done(ok=False))" if freeing else "be preempted")
+
+    def forget(self, seq_id: Hashable) -> None:
+        self.usage.pop(seq_id, None)
+
+    def window_token(self, s: _Sequence) -> int:
+        """A sequence still receiving its prompt holds the windows at the prompt's end already."""
+        seqs = self._m._seqs
+        if any(seqs.get(seq_id) is s for seq_id in self.receiving):
+            return max(s.num_committed, s.content.num_tokens)
+        return s.num_committed
+
+    def check(self) -> None:
+        """Receiving sequences are admitted; usage figures are sound."""
+        seqs = self._m._seqs
+        for seq_id in self.receiving:
+            s = seqs.get(seq_id)
+            if s is None or s.table is None:
+                raise IntegrityError(f"receiving sequence {seq_id!r} has no table")
+        for seq_id, cached in self.usage.items():
+            if seq_id not in seqs or cached.total > cached.num_prompt_tokens:
+                raise IntegrityError(f"usage of {seq_id!r} is inconsistent")
+
+    # ------------------------------------------------------------------ its own calls
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for s in self._m._seqs.values() if s.table is not None)
+
+    def _check_compatible(self, handoff: PrefillHandoff) -> None:
+        if not isinstance(handoff, PrefillHandoff):
+            raise HandoffError(f"expected a PrefillHandoff, got {type(handoff).__name__}")
+        handoff.validate()  # the format version among the rest: 1, or 2 with per-group tables
+        config = self._m.config
+        if handoff.scheme != config.hash_scheme or handoff.block_size != config.block_size:
+            raise HandoffError(
+                f"handoff from a {handoff.scheme} / block size {handoff.block_size} node; "
+                f"this node uses {config.hash_scheme} / block size {config.block_size}"
+            )
+        if handoff.key_space != self.key_space:
+            raise HandoffError("handoff from another namespace (model or salt): its block hashes mean nothing here")
+        if handoff.group_layout != self.layout:
+            raise HandoffError(
+                f"handoff from a node whose local groups are {list(handoff.group_layout) or 'none'}; "
+                f"this node's are {list(self.layout) or 'none'}"
+            )
+
+    def accept(
+        self, handoff: PrefillHandoff, token_ids: Iterable[int], extras: BlockExtras | None
+    ) -> DecodeAdmission | None:
+        """See :meth:`DecodeManager.accept_handoff`."""
+        self._check_compatible(handoff)
+        m = self._m
+        seq_id = handoff.seq_id
+        if seq_id in m._seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} is already registered on this decode node")
+        content = HashedTokens(m._hasher, token_ids, extras)
+        prompt = content.num_tokens
+        if prompt != handoff.num_prompt_tokens or tuple(content.hashes) != handoff.block_hashes:
+            raise HandoffError(f"handoff {seq_id!r} does not describe these prompt tokens (length or block hashes)")
+        s = _Sequence(content)  # registered only if the handoff is accepted
+        matched = m._match(s)  # the prefill node's last-token rule: a prefix reports the same number on both
+        kept = len(matched)  # the table grows from this list: count it first
+        hit: tuple[int, list[int], list[int], int] = (kept, matched, [], 0)
+        hits = kept * m.block_size
+        reserve = self.reserve_per_sequence * (self.num_running + 1)
+        remotes = [group.blocks for group in handoff.groups]
+        short, beside = m._prepare(
+            s, hit, prompt - hits, 0, admitting=True, reserve=reserve, window_token=prompt, remotes=remotes
+        )
+        if short > 0:
+            self.counters.handoffs_refused += 1
+            return None
+        m._seqs[seq_id] = s
+        m._freed.pop(seq_id, None)
+        copies = m._take_admission(s, hit, prompt - hits, 0, beside)
+        self.receiving.add(seq_id)
+        seeded = handoff.cached
+        delta = max(0, min(hits - seeded.total, prompt - seeded.total))
+        cached = CachedTokens(seeded.device + delta, seeded.host, seeded.storage, num_prompt_tokens=prompt)
+        self.usage[seq_id] = cached
+        table: list[int] = s.table  # type: ignore[assignment]  # just admitted
+        transfers = tuple(zip(handoff.source_blocks[kept:], table[kept:], strict=True))
+        moves = [tuple(c.moves) if c is not None else () for c in copies]
+        counters = self.counters
+        counters.handoffs_accepted += 1
+        counters.seeded_hit_tokens += seeded.total
+        counters.decode_hit_tokens += delta
+        counters.transferred_blocks += len(transfers) + sum(len(group) for group in moves)
+        return DecodeAdmission(
+            seq_id,
+            s.view,  # type: ignore[arg-type]  # just admitted
+            transfers,
+            cached,
+            group_tables=tuple(tuple(table) for table in m.block_tables(seq_id)),
+            group_transfers=(transfers, *moves),
+        )
+
+    def receive_done(self, seq_id: Hashable, ok: bool) -> None:
+        m = self._m
+        if seq_id not in self.receiving:
+            m._get(seq_id)
+            raise SequenceStateError(f"sequence {seq_id!r} is not receiving a handoff")
+        self.receiving.discard(seq_id)
+        if not ok:
+            m.free(seq_id)
+            return
+        m.commit(seq_id, m.num_tokens(seq_id))
+
+    def request_usage(self, seq_id: Hashable) -> RequestUsage:
+        self._m._get(seq_id)
+        cached = self.usage.get(seq_id)
+        if cached is None:
+            raise SequenceStateError(f"sequence {seq_id!r} did not arrive through a handoff")
+        return RequestUsage(cached.num_prompt_tokens, cached)
+
+
 class DecodeManager(KVCacheManager):
     """A :class:`KVCacheManager` in the decode role: accepts handoffs, keeps a growth reserve.
 
-    Its own prefix cache (``enable_prefix_caching``) is optional: when on, a handoff's prompt
-    is matched against it first and only the blocks beyond that prefix are transferred.
+    It takes every argument :class:`KVCacheManager` takes (``tiers=``, ``groups=`` among them). Its own
+    prefix cache (``enable_prefix_caching``) is optional: when on, a handoff's prompt is matched against it
+    first and only the blocks beyond that prefix are transferred. Every group, like the full-attention
+    pool, keeps ``reserve_blocks_per_sequence`` free per running sequence.
 
     >>> from kvblocks.disagg import PrefillManager
     >>> d = DecodeManager(num_blocks=6, block_size=4, reserve_blocks_per_sequence=1)
@@ -86,90 +247,29 @@ class DecodeManager(KVCacheManager):
     {'prompt_tokens': 10, 'prompt_tokens_details': {'cached_tokens': 0}}
     """
 
-    _guards_changes = True  # its _check_can_change may refuse
-
     role: ClassVar[str] = "decode"
+    _role_component = DecodeRole
+    _decode: DecodeRole
 
     def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        *,
-        reserve_blocks_per_sequence: int = 1,
-        hash_scheme: str = DEFAULT_SCHEME,
-        namespace: str | Namespace = "default",
-        enable_prefix_caching: bool = True,
-        event_sink: EventSink | None = None,
+        self, num_blocks: int, block_size: int, *, reserve_blocks_per_sequence: int = 1, **options: Any
     ) -> None:
-        super().__init__(
-            num_blocks,
-            block_size,
-            hash_scheme=hash_scheme,
-            namespace=namespace,
-            enable_prefix_caching=enable_prefix_caching,
-            event_sink=event_sink,
-        )
-        self._set_role(DisaggConfig(role="decode", reserve_blocks_per_sequence=reserve_blocks_per_sequence))
+        disagg = DisaggConfig(role="decode", reserve_blocks_per_sequence=reserve_blocks_per_sequence)
+        super().__init__(num_blocks, block_size, disagg=disagg, **options)
 
-    @classmethod
-    def from_config(
-        cls, config: CacheConfig, *, disagg: DisaggConfig | None = None, event_sink: EventSink | None = None
-    ) -> DecodeManager:
-        manager = cls.__new__(cls)
-        manager._setup(config, event_sink)
-        manager._set_role(disagg or DisaggConfig(role="decode"))
-        return manager
-
-    def _set_role(self, disagg: DisaggConfig) -> None:
-        if disagg.role != "decode":
-            raise ConfigError(f"a DecodeManager runs in the decode role, not {disagg.role!r}")
-        self._reserve_per_sequence = disagg.reserve_blocks_per_sequence
-        config = self.config
-        self._key_space = Namespace.of(config.namespace).tag(config.hash_scheme, config.block_size)
-        self._receiving: set[Hashable] = set()
-        self._usage: dict[Hashable, CachedTokens] = {}
-        self.decode_counters = DecodeCounters()
+    @property
+    def decode_counters(self) -> DecodeCounters:
+        return self._decode.counters
 
     @property
     def num_running(self) -> int:
         """Admitted sequences (receiving ones included): each is owed its growth reserve."""
-        return sum(1 for s in self._seqs.values() if s.table is not None)
+        return self._decode.num_running
 
     @property
     def reserve_blocks(self) -> int:
         """Blocks a new handoff may not take now: the growth reserve of the running sequences."""
-        return self._reserve_per_sequence * self.num_running
-
-    def _check_compatible(self, handoff: PrefillHandoff) -> None:
-        if not isinstance(handoff, PrefillHandoff):
-            raise HandoffError(f"expected a PrefillHandoff, got {type(handoff).__name__}")
-        handoff.validate()  # the format version among the rest: 1, or 2 with per-group tables
-        config = self.config
-        if handoff.scheme != config.hash_scheme or handoff.block_size != config.block_size:
-            raise HandoffError(
-                f"handoff from a {handoff.scheme} / block size {handoff.block_size} node; "
-                f"this node uses {config.hash_scheme} / block size {config.block_size}"
-            )
-        if handoff.key_space != self._key_space:
-            raise HandoffError("handoff from another namespace (model or salt): its block hashes mean nothing here")
-        layout = self._group_layout()
-        if handoff.group_layout != layout:
-            raise HandoffError(
-                f"handoff from a node whose local groups are {list(handoff.group_layout) or 'none'}; "
-                f"this node's are {list(layout) or 'none'}"
-            )
-
-    def _group_layout(self) -> tuple[tuple[str, int], ...]:
-        """(kind, span) of the layer groups beside full attention, which a handoff must match. None here."""
-        return ()
-
-    def _accept_beside(
-        self, s: _Sequence, handoff: PrefillHandoff, hits: int, reserve: int
-    ) -> list[tuple[list[int], list[tuple[int, int]]]] | None:
-        """The other groups' part of accepting ``handoff`` over a decode-side hit of ``hits`` blocks, each
-        group keeping ``reserve`` blocks free: per group its table and transfers, or None (and no change)
-        when some group has no room. No other groups here."""
-        return []
+        return self._decode.reserve_per_sequence * self.num_running
 
     def accept_handoff(
         self, handoff: PrefillHandoff, token_ids: Iterable[int], *, extras: BlockExtras | None = None
@@ -179,167 +279,18 @@ class DecodeManager(KVCacheManager):
         ``token_ids`` is the prompt (the decode engine has it with the request); its hashes must
         be the handoff's, so a handoff can never be applied to the wrong prompt.
         """
-        self._check_compatible(handoff)
-        seq_id = handoff.seq_id
-        if seq_id in self._seqs:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} is already registered on this decode node")
-        content = HashedTokens(self._hasher, token_ids, extras)
-        size = self._block_size
-        prompt = content.num_tokens
-        if prompt != handoff.num_prompt_tokens or tuple(content.hashes) != handoff.block_hashes:
-            raise HandoffError(f"handoff {seq_id!r} does not describe these prompt tokens (length or block hashes)")
-        s = _Sequence(content)  # registered only if the handoff is accepted
-        matched = self._match(s)  # the prefill node's last-token rule: a prefix reports the same number on both
-        hits = len(matched)
-        total = math.ceil(prompt / size)
-        need = total - hits
-        pool = self._pool
-        reserve = self._reserve_per_sequence * (self.num_running + 1) + self._reserve  # + the config's watermark
-        beside = None
-        if need + reserve <= pool.num_free - pool.count_idle(matched):
-            beside = self._accept_beside(s, handoff, hits, self._reserve_per_sequence * (self.num_running + 1))
-        if beside is None:
-            self.decode_counters.handoffs_refused += 1
-            return None
-        self._seqs[seq_id] = s
-        self._freed.pop(seq_id, None)
-        if hits:
-            pool._acquire_valid(matched)
-        new = self._take(need) if need else []
-        table = matched + new
-        s.table = table
-        s.view = BlockTable(table, hits * size)
-        s.num_covered = prompt
-        s.num_committed = hits * size
-        self._receiving.add(seq_id)
-        seeded = handoff.cached
-        delta = max(0, min(hits * size - seeded.total, prompt - seeded.total))
-        cached = CachedTokens(seeded.device + delta, seeded.host, seeded.storage, num_prompt_tokens=prompt)
-        self._usage[seq_id] = cached
-        counters = self.decode_counters
-        counters.handoffs_accepted += 1
-        counters.seeded_hit_tokens += seeded.total
-        counters.decode_hit_tokens += delta
-        counters.transferred_blocks += need
-        transfers = tuple(zip(handoff.source_blocks[hits:], new, strict=True))
-        counters.transferred_blocks += sum(len(moves) for _, moves in beside)
-        return DecodeAdmission(
-            seq_id,
-            s.view,
-            transfers,
-            cached,
-            group_tables=(tuple(table), *(tuple(t) for t, _ in beside)),
-            group_transfers=(transfers, *(tuple(moves) for _, moves in beside)),
-        )
+        return self._decode.accept(handoff, token_ids, extras)
 
     def is_receiving(self, seq_id: Hashable) -> bool:
-        return seq_id in self._receiving
+        return seq_id in self._decode.receiving
 
     def receive_done(self, seq_id: Hashable, *, ok: bool = True) -> None:
         """The handoff's KV arrived: the prompt counts as computed (and its full blocks become cached here).
 
         ``ok=False``: the transfer failed; the sequence is dropped and its blocks return to the pool.
         """
-        if seq_id not in self._receiving:
-            self._get(seq_id)
-            raise SequenceStateError(f"sequence {seq_id!r} is not receiving a handoff")
-        self._receiving.discard(seq_id)
-        if not ok:
-            self._usage.pop(seq_id, None)
-            super().free(seq_id)
-            return
-        super().commit(seq_id, self._seqs[seq_id].content.num_tokens)
+        self._decode.receive_done(seq_id, ok)
 
     def usage(self, seq_id: Hashable) -> RequestUsage:
         """The request's cached-token figure (prefill report + decode-side hit beyond it)."""
-        self._get(seq_id)
-        cached = self._usage.get(seq_id)
-        if cached is None:
-            raise SequenceStateError(f"sequence {seq_id!r} did not arrive through a handoff")
-        return RequestUsage(cached.num_prompt_tokens, cached)
-
-    def _refuse_while_receiving(self, seq_id: Hashable, what: str) -> None:
-        if seq_id in self._receiving:
-            raise SequenceStateError(f"sequence {seq_id!r} is receiving its prompt's KV; it cannot {what} yet")
-
-    def _check_can_change(self, seq_id: Hashable, s: _Sequence, what: str) -> None:
-        self._refuse_while_receiving(seq_id, what)
-        super()._check_can_change(seq_id, s, what)
-
-    def preempt(self, seq_id: Hashable) -> None:
-        self._refuse_while_receiving(seq_id, "be preempted")
-        super().preempt(seq_id)
-
-    def free(self, seq_id: Hashable) -> None:
-        self._refuse_while_receiving(seq_id, "be freed (use receive_done(ok=False))")
-        self._usage.pop(seq_id, None)
-        super().free(seq_id)
-
-    def check_integrity(self) -> None:
-        super().check_integrity()
-        self._check_receiving()
-
-    def _check_receiving(self) -> None:
-        """The decode role's own invariants: receiving sequences are admitted, usage figures sound."""
-        for seq_id in self._receiving:
-            s = self._seqs.get(seq_id)
-            if s is None or s.table is None:
-                raise IntegrityError(f"receiving sequence {seq_id!r} has no table")
-        for seq_id, cached in self._usage.items():
-            if seq_id not in self._seqs or cached.total > cached.num_prompt_tokens:
-                raise IntegrityError(f"usage of {seq_id!r} is inconsistent")
-
-
-class TieredDecodeManager(DecodeManager, TieredKVCacheManager):
-    """The decode role over host and storage tiers.
-
-    Handoffs are matched against the device prefix cache only (host and storage runs are
-    for this node's own re-admissions). What the node decodes goes down the tiers like on
-    any tiered node: evicted blocks are written back, ``write-through`` stores each block
-    on commit -- so the next turn of a conversation, prefilled on another node, can load
-    the whole history from shared storage -- and ``save_on_preempt`` lets a preempted
-    sequence come back from storage instead of being recomputed.
-
-    Step order: ``accept_handoff`` may evict blocks to make room, so run the step's plan
-    (``take_transfers`` ... ``complete_transfers``) before the transferred KV is written
-    into the admission's blocks, as before any forward pass.
-    """
-
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        *,
-        tiers: TierConfig,
-        reserve_blocks_per_sequence: int = 1,
-        hash_scheme: str = DEFAULT_SCHEME,
-        namespace: str | Namespace = "default",
-        enable_prefix_caching: bool = True,
-        event_sink: EventSink | None = None,
-    ) -> None:
-        TieredKVCacheManager.__init__(
-            self,
-            num_blocks,
-            block_size,
-            tiers=tiers,
-            hash_scheme=hash_scheme,
-            namespace=namespace,
-            enable_prefix_caching=enable_prefix_caching,
-            event_sink=event_sink,
-        )
-        self._set_role(DisaggConfig(role="decode", reserve_blocks_per_sequence=reserve_blocks_per_sequence))
-
-    @classmethod
-    def from_config(  # type: ignore[override]
-        cls,
-        config: CacheConfig,
-        *,
-        tiers: TierConfig,
-        disagg: DisaggConfig | None = None,
-        event_sink: EventSink | None = None,
-    ) -> TieredDecodeManager:
-        manager = cls.__new__(cls)
-        manager._setup(config, event_sink)
-        manager._setup_tiers(tiers)
-        manager._set_role(disagg or DisaggConfig(role="decode"))
-        return manager
+        return self._decode.request_usage(seq_id)

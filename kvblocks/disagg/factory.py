@@ -4,17 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvblocks.config import CacheConfig
-from kvblocks.disagg.config import DisaggConfig
-from kvblocks.disagg.decode import DecodeManager, TieredDecodeManager
-from kvblocks.disagg.prefill import PrefillManager, TieredPrefillManager
+from kvblocks.config import CacheConfig, DisaggConfig
+from kvblocks.core.manager import KVCacheManager
+from kvblocks.disagg.decode import DecodeManager
+from kvblocks.disagg.prefill import PrefillManager
 from kvblocks.errors import ConfigError
 from kvblocks.events import EventSink
-from kvblocks.manager import KVCacheManager
 from kvblocks.tiers.config import TierConfig
-from kvblocks.tiers.manager import TieredKVCacheManager
 
-__all__ = ["manager_for_role"]
+__all__ = ["ROLE_MANAGERS", "manager_for_role"]
+
+ROLE_MANAGERS: dict[str, type[KVCacheManager]] = {
+    "mixed": KVCacheManager,
+    "prefill": PrefillManager,
+    "decode": DecodeManager,
+}
+"""The manager class of each role: the manager itself, or a facade adding the role's calls."""
 
 
 def manager_for_role(
@@ -26,21 +31,11 @@ def manager_for_role(
     event_sink: EventSink | None = None,
 ) -> KVCacheManager:
     """The manager for a node: its role, over host/storage tiers when ``tiers`` is given, with the layer
-    ``groups`` beside full attention when the model is hybrid.
+    ``groups`` beside full attention when the model is hybrid -- every combination, from one configuration.
 
     ``groups`` lists :class:`~kvblocks.hybrid.LocalGroup` s, then :class:`~kvblocks.hybrid.RecurrentGroup` s,
     then :class:`~kvblocks.hybrid.CrossAttentionGroup` s (their group numbers 1, 2, ... follow that order).
-
-    ========  ===================  ===========================  ================================
-    role      one group            one group, tiers             hybrid (no tiers / tiers)
-    ========  ===================  ===========================  ================================
-    mixed     ``KVCacheManager``   ``TieredKVCacheManager``     ``HybridKVCacheManager`` /
-                                                                ``TieredHybridKVCacheManager``
-    prefill   ``PrefillManager``   ``TieredPrefillManager``     ``HybridPrefillManager`` /
-                                                                ``TieredHybridPrefillManager``
-    decode    ``DecodeManager``    ``TieredDecodeManager``      ``HybridDecodeManager`` /
-                                                                ``TieredHybridDecodeManager``
-    ========  ===================  ===========================  ================================
+    The role picks the class (:data:`ROLE_MANAGERS`); tiers and groups are the manager's parts.
 
     >>> type(manager_for_role(CacheConfig(64, 16), DisaggConfig(role="prefill"))).__name__
     'PrefillManager'
@@ -50,21 +45,6 @@ def manager_for_role(
         raise ConfigError(f"disagg must be a DisaggConfig, got {type(disagg).__name__}")
     if tiers is not None and not isinstance(tiers, TierConfig):
         raise ConfigError(f"tiers must be a TierConfig or None, got {type(tiers).__name__}")
-    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
-        raise ConfigError(f"groups must be a sequence of layer groups, got {type(groups).__name__}")
-    if groups:
-        # the hybrid wing is loaded only for a hybrid model: `import kvblocks` stays light
-        from kvblocks.hybrid.roles import hybrid_manager_for_role
-
-        return hybrid_manager_for_role(config, disagg, tiers=tiers, groups=groups, event_sink=event_sink)
-    if disagg.role == "decode":
-        if tiers is not None:
-            return TieredDecodeManager.from_config(config, tiers=tiers, disagg=disagg, event_sink=event_sink)
-        return DecodeManager.from_config(config, disagg=disagg, event_sink=event_sink)
-    if disagg.role == "prefill":
-        if tiers is not None:
-            return TieredPrefillManager.from_config(config, tiers=tiers, event_sink=event_sink)
-        return PrefillManager.from_config(config, event_sink=event_sink)
-    if tiers is not None:
-        return TieredKVCacheManager.from_config(config, tiers=tiers, event_sink=event_sink)
-    return KVCacheManager.from_config(config, event_sink=event_sink)
+    return ROLE_MANAGERS[disagg.role].from_config(
+        config, tiers=tiers, groups=groups, disagg=disagg, event_sink=event_sink
+    )

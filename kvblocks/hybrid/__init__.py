@@ -13,13 +13,8 @@ from typing import Any
 from kvblocks.core.groups.block_index import FlatBlockIndex
 from kvblocks.core.groups.cross_group import CrossAttentionGroup
 from kvblocks.core.groups.hits import GroupHitRule, hit_step, longest_common_hit, longest_group_hit, needed_blocks
+from kvblocks.core.groups.local_group import PLACEHOLDER, LocalGroup
 from kvblocks.core.groups.recurrent_group import RecurrentGroup, StateCopy
-from kvblocks.hybrid.disagg import (
-    HybridDecodeManager,
-    HybridPrefillManager,
-    TieredHybridDecodeManager,
-    TieredHybridPrefillManager,
-)
 from kvblocks.hybrid.layout import (
     ATTENTION_KINDS,
     GROUP_KINDS,
@@ -32,9 +27,15 @@ from kvblocks.hybrid.layout import (
     StateTensor,
     held_blocks,
 )
-from kvblocks.hybrid.manager import PLACEHOLDER, HybridKVCacheManager, LocalGroup
 from kvblocks.hybrid.presets import HYBRID_PRESETS, hybrid_preset
-from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
+from kvblocks.presets import (  # the previous release's names: KVCacheManager / the role facades with groups
+    HybridDecodeManager,
+    HybridKVCacheManager,
+    HybridPrefillManager,
+    TieredHybridDecodeManager,
+    TieredHybridKVCacheManager,
+    TieredHybridPrefillManager,
+)
 
 __all__ = [
     "ATTENTION_KINDS",

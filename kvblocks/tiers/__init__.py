@@ -10,10 +10,12 @@ from kvblocks.tiers.config import HOST_POLICIES, STORAGE_POLICIES, TierConfig
 from kvblocks.tiers.entry import EntryFormat, block_key, group_tag, namespace_tag
 from kvblocks.tiers.file_storage import FileStorage
 from kvblocks.tiers.host import HostTier
-from kvblocks.tiers.manager import TieredKVCacheManager, TierStats
+from kvblocks.tiers.pending import TierStats
 from kvblocks.tiers.redis_storage import RedisStorage
+from kvblocks.tiers.stack import TierStack
 from kvblocks.tiers.storage import MemoryStorage, StorageBackend, StorageStats, usable_prefix
 from kvblocks.tiers.storage_tier import StorageTier, StorageTierStats
+from kvblocks.tiers.tiering import Tiering
 from kvblocks.tiers.transfers import AdmittedTable, BlockSave, GroupTransfers, LoadResult, TransferPlan
 from kvblocks.tiers.writer import AsyncWriter, WriterStats
 
@@ -35,8 +37,10 @@ __all__ = [
     "StorageTier",
     "StorageTierStats",
     "TierConfig",
+    "TierStack",
     "TierStats",
     "TieredKVCacheManager",
+    "Tiering",
     "TransferExecutor",
     "TransferPlan",
     "WriterStats",
@@ -48,6 +52,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "TieredKVCacheManager":  # the previous release's name, built over the manager (kvblocks.presets)
+        from kvblocks.presets import TieredKVCacheManager
+
+        globals()[name] = TieredKVCacheManager
+        return TieredKVCacheManager
     if name == "TransferExecutor":  # torch-backed: imported only when asked for
         from kvblocks.tiers.executor import TransferExecutor
 

@@ -23,7 +23,7 @@ from kvblocks.errors import ConfigError
 from kvblocks.tiers.transfers import GroupTransfers, LoadResult, TransferPlan
 
 if TYPE_CHECKING:
-    from kvblocks.tiers.manager import TieredKVCacheManager
+    from kvblocks.core.manager import KVCacheManager
 
 __all__ = ["TransferExecutor"]
 
@@ -33,12 +33,12 @@ class TransferExecutor:
 
     def __init__(
         self,
-        manager: TieredKVCacheManager,
+        manager: KVCacheManager,
         backend: Backend,
         device_cache: KVCache,
         host_cache: KVCache | None = None,
     ) -> None:
-        if getattr(manager, "num_groups", 1) != 1:  # a plan's groups would be reported done without running
+        if manager.num_groups != 1:  # a plan's groups would be reported done without running
             raise ConfigError(
                 "TransferExecutor runs one group's copies; a hybrid manager's plan.group_transfers need one cache each"
             )

@@ -17,9 +17,9 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvblocks.core.sequence import BlockTable
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.hashing import BlockHash
-from kvblocks.manager import BlockTable
 
 __all__ = ["AdmittedTable", "BlockSave", "GroupTransfers", "LoadResult", "TransferPlan", "per_group"]
 

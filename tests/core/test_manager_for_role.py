@@ -43,7 +43,7 @@ def test_every_combination_is_built_from_one_configuration(hybrid: bool, tier: s
         assert m.num_groups == (3 if hybrid else 1)
         assert m.group_kinds == (("full", "sliding_window", "chunked_local") if hybrid else ("full",))
         assert m.role == role
-        assert hasattr(m, "take_transfers") == (tiers is not None)
+        assert (m.tiers is not None) == (tiers is not None) and (m.host is not None) == (tiers is not None)
         if tiers is not None:
             assert (m.host is not None, m.storage is not None) == (True, tier == "storage")  # type: ignore[attr-defined]
             if hybrid:

@@ -16,14 +16,15 @@ from kvblocks.errors import ConfigError, HandoffError
 from kvblocks.hybrid import (
     PLACEHOLDER,
     GroupHitRule,
+    HybridDecodeManager,
     HybridKVCacheManager,
+    HybridPrefillManager,
     LocalGroup,
+    TieredHybridKVCacheManager,
     held_blocks,
     longest_common_hit,
     needed_blocks,
 )
-from kvblocks.hybrid.disagg import HybridDecodeManager, HybridPrefillManager
-from kvblocks.hybrid.tiers import TieredHybridKVCacheManager
 from kvblocks.tiers import TierConfig
 
 P = PLACEHOLDER
@@ -344,28 +345,34 @@ def test_a_circular_buffer_takes_no_block_size_and_tiers_refuse_it() -> None:
         )
 
 
-@pytest.mark.parametrize(
-    ("kind", "window_after_commit", "hit_table"),
-    [
-        # the prompt's 30 tokens all stay; the 28-token hit keeps blocks 0..6, position 7 is fresh
-        ("retained_prefix_window", list(range(8)), list(range(8))),
-        # tiers admit a capped window as a plain one (every position), then release as a window does
-        ("capped_sliding_window", [P] * 6 + [6, 7], [P] * 5 + [5, 6, 7]),
-    ],
-)
-def test_a_tiered_manager_serves_the_windows_it_admits_itself(
-    kind: str, window_after_commit: list[int], hit_table: list[int]
-) -> None:
-    m = TieredHybridKVCacheManager(8, 4, tiers=TierConfig(num_host_blocks=16), local_groups=[LocalGroup(kind, 6, 8)])
+def test_a_tiered_manager_serves_a_retained_prefix_window() -> None:
+    tiers = TierConfig(num_host_blocks=16)
+    m = TieredHybridKVCacheManager(8, 4, tiers=tiers, local_groups=[LocalGroup("retained_prefix_window", 6, 8)])
     m.add_sequence("a", list(range(30)))
     m.allocate("a", 30)
     m.commit("a", 30)
-    assert m.group_block_table("a", 1) == window_after_commit
-    m.free("a")
+    assert m.group_block_table("a", 1) == list(range(8))  # the prompt's 30 tokens all stay
+    m.free("a")  # tail first: block 7 (tokens 28..29) fresh again, 6..0 idle
     m.add_sequence("c", list(range(30)))
     assert m.lookup("c").device == 28
     m.allocate("c", 2, num_cached_tokens=28)
-    assert m.group_block_table("c", 1) == hit_table
+    assert m.group_block_table("c", 1) == list(range(8))  # keeps 0..6; position 7 takes the fresh block 7
+    m.complete_transfers(m.take_transfers())
+    m.check_integrity()
+
+
+def test_a_tiered_manager_admits_a_capped_window_in_one_pass() -> None:
+    tiers = TierConfig(num_host_blocks=16)
+    m = TieredHybridKVCacheManager(8, 4, tiers=tiers, local_groups=[LocalGroup("capped_sliding_window", 8, 3)])
+    m.add_sequence("a", list(range(30)))
+    m.allocate("a", 30)
+    assert m.group_block_table("a", 1) == [P] * 5 + [0, 1, 2]
+    m.commit("a", 30)
+    m.free("a")  # tail first: block 2 fresh again; 1 and 0 (positions 6, 5) idle, cached
+    m.add_sequence("c", list(range(30)))
+    assert m.lookup("c").device == 28  # the window at 28 reads 21..27: positions 5 and 6
+    m.allocate("c", 2, num_cached_tokens=28)
+    assert m.group_block_table("c", 1) == [P] * 5 + [0, 1, 2]
     m.complete_transfers(m.take_transfers())
     m.check_integrity()
 

@@ -14,6 +14,7 @@ import pytest
 
 from kvblocks import KVCacheManager
 from kvblocks.core.groups.local_group import LocalGroupManager
+from kvblocks.core.groups.protocol import Ask
 from kvblocks.hybrid import (
     PLACEHOLDER,
     GroupHitRule,
@@ -32,24 +33,35 @@ def group(kind: str, span: int, num_blocks: int, block_size: int) -> LocalGroupM
     return LocalGroupManager(LocalGroup(kind, span=span, num_blocks=num_blocks), block_size, 1, None)
 
 
+def admit(local: LocalGroupManager, key: int, chain_blocks: int, prompt: int | None, covered: int | None) -> int:
+    """Admit sequence ``key`` without a hit, its table spanning ``chain_blocks``: the group's two phases. Returns
+    how many blocks the first phase said it would take (what it lacks plus what is free)."""
+    ask = Ask((), 0, chain_blocks, 0, 0, prompt=prompt, covered=covered)
+    answer = local.admission(ask, None)
+    assert answer is not None
+    predicted = answer[0] + local.pool.num_free
+    local.take_admission(key, ask, answer[1])
+    return predicted
+
+
 # ---------------------------------------------------------------------- retained-prefix window (RSWASpec)
 
 
 # vLLM: tests/v1/core/test_single_type_kv_cache_manager.py::test_rswa_remove_skipped_blocks_gap_range
 def test_rswa_remove_skipped_blocks_gap_range() -> None:
-    local = group("retained_prefix_window", span=8, num_blocks=10, block_size=4)
-    table = local.pool.take_fresh(10)
-    assert table == list(range(10))
+    local = group("retained_prefix_window", span=8, num_blocks=20, block_size=4)
 
     # Without the prompt's length nothing is known to lie outside it: no gap block is released.
-    local.set_table(1, table, 0, None)
+    admit(local, 1, 10, None, None)
+    assert local.tables[1] == list(range(10))
     local.committed(1, (), 0, 28, cache=False)
     assert local.tables[1] == list(range(10))
 
     # A 16-token prompt: at 28 computed tokens the gap is block 4 only (tokens 16..19).
-    local.set_table(2, local.pop_table(1), 0, 16)
+    admit(local, 2, 10, 16, 40)
+    expected = list(range(10, 20))
+    assert local.tables[2] == expected
     local.committed(2, (), 0, 28, cache=False)
-    expected = list(range(10))
     expected[4] = P
     assert local.tables[2] == expected
 
@@ -57,7 +69,7 @@ def test_rswa_remove_skipped_blocks_gap_range() -> None:
     local.committed(2, (), 28, 36, cache=False)
     expected[5] = expected[6] = P
     assert local.tables[2] == expected
-    assert local.pool.num_free == 3 and list(local.pool.fresh_order()) == [4, 5, 6]  # past the prompt: uncached
+    assert list(local.pool.fresh_order()) == [14, 15, 16]  # past the prompt: never cached, fresh again
 
 
 # ---------------------------------------------------------------------- the admission cap
@@ -70,11 +82,8 @@ def test_predictor_matches_allocator_blocks_calculation_with_admission_cap() -> 
     block_size, window = 2, 8
     local = group("capped_sliding_window", span=window, num_blocks=100, block_size=block_size)
     prompt = 16
-    answer = local.admission((), 0, 4 // block_size, 0, 0, prompt=prompt, covered=4)  # the first chunk: 4 tokens
-    assert answer is not None
-    predicted = answer[0] + local.pool.num_free
     before = local.pool.num_free
-    local.take_admission(1, 0, 4 // block_size, 0, answer[1])
+    predicted = admit(local, 1, 4 // block_size, prompt, 4)  # the first chunk: 4 tokens
     assert predicted == before - local.pool.num_free == 2
     for num_tokens in (8, 12, 16):
         total = num_tokens // block_size
@@ -85,11 +94,8 @@ def test_predictor_matches_allocator_blocks_calculation_with_admission_cap() -> 
 
     # kvblocks' counterpart of vLLM's cap (sliding_window // block_size = 4 blocks): the whole prompt in one
     # pass takes only the window after it, and says so before it takes.
-    answer = local.admission((), 0, prompt // block_size, 0, 0, prompt=prompt, covered=prompt)
-    assert answer is not None
-    predicted = answer[0] + local.pool.num_free
     before = local.pool.num_free
-    local.take_admission(2, 0, prompt // block_size, 0, answer[1])
+    predicted = admit(local, 2, prompt // block_size, prompt, prompt)
     assert predicted == before - local.pool.num_free == window // block_size
     assert local.tables[2] == [P, P, P, P, 8, 9, 10, 11]  # token 16 attends to 9..16: positions 4..7
 
@@ -98,8 +104,9 @@ def test_predictor_matches_allocator_blocks_calculation_with_admission_cap() -> 
 # (the capped kind is a sliding window once admitted)
 def test_sliding_window_remove_skipped_blocks() -> None:
     local = group("capped_sliding_window", span=4, num_blocks=11, block_size=2)
-    original = local.pool.take_fresh(11)
-    local.set_table(1, list(original), 0, None)
+    admit(local, 1, 11, None, None)  # no pass end known: every position, as a plain sliding window
+    original = list(range(11))
+    assert local.tables[1] == original
     done = 0
 
     def commit(n: int) -> list[int]:

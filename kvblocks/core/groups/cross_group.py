@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvblocks.core.groups.protocol import Ask, GroupCopies
 from kvblocks.errors import ConfigError, IntegrityError
-from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
 
 __all__ = ["CrossAttentionGroup"]
@@ -57,24 +57,15 @@ class _Cross:
     def blocks_for(self, encoder_tokens: int) -> int:
         return -(-encoder_tokens // self.block_size)
 
-    def admission(
-        self,
-        hashes: Sequence[BlockHash],
-        hits: int,
-        total: int,
-        hit_tokens: int,
-        encoder: int,
-        *,
-        prompt: int | None = None,
-        covered: int | None = None,
-    ) -> tuple[int, Any] | None:
-        """The group's part of an admission (see :class:`~kvblocks.hybrid.local.LocalGroupManager`): the
+    def admission(self, ask: Ask, remote: Sequence[int] | None) -> tuple[int, Any] | None:
+        """The group's part of an admission (see :class:`~kvblocks.core.groups.protocol.GroupManager`): the
         blocks the sequence's encoder tokens lack (a hit needs nothing here)."""
-        return self.blocks_for(encoder) - self.pool.num_free, encoder
+        return self.blocks_for(ask.encoder) - self.pool.num_free, ask.encoder
 
-    def take_admission(self, key: int, hits: int, total: int, hit_tokens: int, prepared: Any) -> None:
+    def take_admission(self, key: int, ask: Ask, prepared: Any) -> GroupCopies | None:
         """Take the sequence's blocks (the caller checked there is room: every free block is fresh here)."""
         self.tables[key] = self.pool.take_fresh(self.blocks_for(prepared))
+        return None
 
     def release(self, key: int) -> None:
         self.pool._release_valid(reversed(self.tables.pop(key)))

@@ -13,8 +13,7 @@ sorted ranges): a leading run for a window, the gap between the prompt and the w
 retained-prefix window. Per sequence the group keeps the positions it released
 (:meth:`LocalGroupManager.released_positions`, :meth:`LocalGroupManager.is_released`) and the prompt the
 kind's formulas may need; a kind may keep fewer entries than positions (a circular buffer: one). A
-caller that builds or cuts a table itself goes through :meth:`LocalGroupManager.set_table`,
-:meth:`LocalGroupManager.cut_back` and :meth:`LocalGroupManager.pop_table`.
+tiered admission whose copies fall short cuts a table back with :meth:`LocalGroupManager.cut_back`.
 
 The group answers the manager's questions the same way every group kind does (:class:`GroupManager`):
 what it lacks for an admission and what it then keeps and takes, growth, what a commit caches and
@@ -25,16 +24,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvblocks.core.groups.block_index import FlatBlockIndex
 from kvblocks.core.groups.hits import GroupHitRule, needed_blocks
+from kvblocks.core.groups.protocol import Ask, GroupCopies
 from kvblocks.core.groups.registry import GROUP_KIND_RULES, kind_rules
 from kvblocks.core.groups.rules import Positions, covers, minus, union
+from kvblocks.core.groups.sources import DEVICE, HOST, REMOTE, STORED, take_blocks
 from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
+
+if TYPE_CHECKING:  # annotations only: tiers sit above the groups
+    from kvblocks.tiers.stack import TierStack
 
 __all__ = ["PLACEHOLDER", "LocalGroup", "LocalGroupManager"]
 
@@ -90,11 +94,42 @@ class _EveryNth(Sequence[BlockHash]):
         return self._hashes[(position + 1) * self._ratio - 1]
 
 
+class _Plan:
+    """What an admission found, for :meth:`LocalGroupManager.take_admission`: the table's length, the positions
+    it leaves released (and those of them only the one pass explains), the new positions, and the blocks the
+    positions below the hit come from: kept on device (``kept``, at ``window``), or ``held`` through tiers or
+    a handoff ((position, block, where); ``remote`` the prefill node's table)."""
+
+    __slots__ = ("fresh", "gone", "held", "inflight", "kept", "length", "prompt", "remote", "window")
+
+    def __init__(
+        self,
+        length: int,
+        gone: Positions,
+        inflight: Positions,
+        fresh: Positions,
+        prompt: int | None,
+        kept: list[int] | None = None,
+        window: range = range(0),
+        held: list[tuple[int, int, int]] | None = None,
+        remote: Sequence[int] | None = None,
+    ) -> None:
+        self.length = length
+        self.gone = gone
+        self.inflight = inflight
+        self.fresh = fresh
+        self.prompt = prompt
+        self.kept = kept
+        self.window = window
+        self.held = held
+        self.remote = remote
+
+
 class LocalGroupManager:
     """A local group: its rule, pool, index and the tables of admitted sequences (keyed by ``id(sequence)``).
 
-    ``take_blocks(count)`` is how it gets new blocks: its own :meth:`take` (evicting idle cached ones), or
-    what a tier stack puts there (the same, writing the evicted blocks back).
+    ``tiers`` (None: none) is the group's :class:`~kvblocks.tiers.stack.TierStack`: the blocks its index
+    evicts move down to it, and it serves hits beside the device.
     """
 
     __slots__ = (
@@ -110,7 +145,7 @@ class LocalGroupManager:
         "rule",
         "span",
         "tables",
-        "take_blocks",
+        "tiers",
     )
 
     def __init__(self, group: LocalGroup, chain_block_size: int, number: int, events: EventSink | None) -> None:
@@ -135,7 +170,7 @@ class LocalGroupManager:
         self._released: dict[int, Positions] = {}  # id(_Sequence) -> the positions released (PLACEHOLDER there)
         self._prompts: dict[int, int | None] = {}  # id(_Sequence) -> the tokens it knew when admitted
         self._inflight: dict[int, Positions] = {}  # id(_Sequence) -> positions a one-pass admission never took
-        self.take_blocks: Callable[[int], list[int]] = self.take
+        self.tiers: TierStack | None = None
 
     # ------------------------------------------------------------------ formulas
 
@@ -161,11 +196,8 @@ class LocalGroupManager:
         return self.kind.next_move(next_token, self.block_size, self.span)
 
     def take(self, count: int) -> list[int]:
-        pool = self.pool
-        short = count - pool.num_fresh
-        if short > 0:
-            self.index.evict(short)
-        return pool.take_fresh(count)
+        """``count`` fresh blocks, evicting idle cached ones (written back when the group has tiers)."""
+        return take_blocks(self.pool, self.index, self.tiers, count)
 
     # ------------------------------------------------------------------ a sequence's positions
 
@@ -178,46 +210,9 @@ class LocalGroupManager:
         """Whether the sequence released block position ``position``."""
         return any(position in r for r in self._released[key])
 
-    def set_table(self, key: int, table: list[int], token: int, prompt: int | None) -> None:
-        """Take ``table``, built by the caller (its blocks held, :data:`PLACEHOLDER` where released), for a
-        sequence whose windows are placed at ``token`` and whose prompt is ``prompt`` tokens."""
-        gone = _placeholders(table)
-        self.tables[key] = table
-        self._released[key] = gone
-        self._prompts[key] = prompt
-        inflight = minus(gone, self.kind.released(token, self.block_size, self.span, prompt))
-        if inflight:
-            self._inflight[key] = inflight
-
-    def pop_table(self, key: int) -> list[int]:
-        """Forget the sequence (its table is returned; the caller gives its blocks back)."""
-        self._released.pop(key)
-        self._prompts.pop(key)
-        self._inflight.pop(key, None)
-        return self.tables.pop(key)
-
-    def cut_back(self, key: int, tokens: int) -> None:
-        """Cut the table back to ``tokens`` (a shorter hit): the positions the kind releases there go, then the
-        positions past them, tail first."""
-        table = self.tables[key]
-        end = self.kind.table_length(-(-tokens // self.block_size))
-        had = self._released[key]
-        gone = _clip(union(had, self.kind.released(tokens, self.block_size, self.span, self._prompts[key])), end)
-        leaving = [table[p] for r in minus(gone, had) for p in r if table[p] != PLACEHOLDER]
-        dropped = [b for b in reversed(table[end:]) if b != PLACEHOLDER]
-        del table[end:]
-        for r in gone:
-            table[r.start : r.stop] = [PLACEHOLDER] * len(r)
-        self.pool._release_valid(leaving)
-        self.pool._release_valid(dropped)
-        self._released[key] = gone
-        inflight = _clip(self._inflight.pop(key, ()), end)
-        if inflight:
-            self._inflight[key] = inflight
-
     def require_block_per_position(self, what: str) -> None:
-        """Raise :class:`ConfigError` unless the kind's tables hold one entry per position: ``what`` (a caller
-        that builds tables itself) serves only those."""
+        """Raise :class:`ConfigError` unless the kind's tables hold one entry per position: ``what`` serves only
+        those (it copies blocks position by position)."""
         if any(self.kind.table_length(n) != n for n in (1, 2, 3)):
             raise ConfigError(f"{what} does not serve {self.kind.name} groups: their tables are not a block a position")
 
@@ -234,6 +229,17 @@ class LocalGroupManager:
 
         return cached
 
+    def held(self, hashes: Sequence[BlockHash]) -> Callable[[int], bool]:
+        """Whether block position ``p`` is on device or in the group's tiers (a hit through tiers). Pure."""
+        tiers = self.tiers
+        if tiers is None:
+            return self.served(hashes)
+        keys = self.keys(hashes)
+        count = len(keys)
+        block_of = self.index._block_of
+        holds = tiers.holds
+        return lambda position: position < count and (keys[position] in block_of or holds(keys[position]))
+
     def hit_blocks(self, hashes: Sequence[BlockHash], hit_tokens: int) -> list[int] | None:
         """The blocks a hit at ``hit_tokens`` keeps (those its window needs there), or None when the group
         does not hold them all. Pure."""
@@ -248,55 +254,121 @@ class LocalGroupManager:
 
     # ------------------------------------------------------------------ admission and growth
 
-    def admission(
-        self,
-        hashes: Sequence[BlockHash],
-        hits: int,
-        total: int,
-        hit_tokens: int,
-        encoder: int,
-        *,
-        prompt: int | None = None,
-        covered: int | None = None,
-    ) -> tuple[int, Any] | None:
-        """(blocks short, what :meth:`take_admission` needs) for an admission of ``hits`` cached chain blocks
-        (``hit_tokens`` tokens) growing to ``total`` chain blocks, of a sequence that knows ``prompt`` tokens and
-        whose slots cover ``covered`` (before lookahead); None when the group no longer holds what the hit needs.
-        Pure. Every group kind answers it: the manager asks every group, then every group takes."""
-        kept = self.hit_blocks(hashes, hit_tokens)
-        if kept is None:
-            return None
+    def admission(self, ask: Ask, remote: Sequence[int] | None) -> tuple[int, Any] | None:
+        """(blocks short, what :meth:`take_admission` needs); None when the group no longer holds what the hit
+        needs (on device, or in its tiers). Pure. Every group kind answers it: the manager asks every group,
+        then every group takes.
+
+        The window is placed at ``ask.window_token``: the positions its kind releases there are not taken (an
+        admission's one pass, through ``ask.prompt`` and ``ask.covered``, may leave more: the kind says),
+        those below the hit are kept (on device), copied in (host, storage) or, for a handoff (``remote``: the
+        group's table on the prefill node), copied from the prefill node where this node does not hold them;
+        the others are new (a handoff's are copied too)::
+
+            block size 4, window 6, a handoff of a 17-token prompt, decode-side hit 8 tokens
+            position       0    1    2    3    4
+            window at 17   -    -    -    x    x      position 3 is past the hit: new, copied; 4 too
+        """
         kind = self.kind
         size = self.block_size
-        length = self.table_length(total)
-        pass_end = None if prompt is None or covered is None else min(prompt, covered)
-        released = _clip(kind.admission_released(hit_tokens, pass_end, size, self.span, prompt), length)
-        fresh = minus(range(0, length), union(released, needed_blocks(self.rule, hit_tokens)))
-        inflight = minus(released, kind.released(hit_tokens, size, self.span, prompt))
+        prompt = ask.prompt
+        length = self.table_length(ask.total)
+        if remote is None:  # computed here: the engine's one pass may end where the kind needs less
+            end = None if prompt is None or ask.covered is None else min(prompt, ask.covered)
+            gone = _clip(kind.admission_released(ask.window_token, end, size, self.span, prompt), length)
+            inflight = minus(gone, kind.released(ask.window_token, size, self.span, prompt))
+        else:  # a handoff: the prompt was computed elsewhere
+            gone = _clip(kind.released(ask.window_token, size, self.span, prompt), length)
+            inflight = ()
         pool = self.pool
-        need = sum(map(len, fresh))
-        return need - (pool.num_free - pool.count_idle(kept)), (kept, length, released, fresh, inflight, prompt)
+        if remote is None and self.tiers is None:  # the common case: every needed block is on device
+            kept = self.hit_blocks(ask.hashes, ask.hit_tokens)
+            if kept is None:
+                return None
+            window = needed_blocks(self.rule, ask.hit_tokens)
+            fresh = minus(range(0, length), union(gone, window))
+            plan = _Plan(length, gone, inflight, fresh, prompt, kept=kept, window=window)
+            return sum(map(len, fresh)) + ask.reserve - (pool.num_free - pool.count_idle(kept)), plan
+        below = minus(range(0, min(ask.hits // self.ratio, length)), gone)
+        held = self._sources(ask, remote, below)
+        if held is None:
+            return None
+        kept = [block for _, block, where in held if where == DEVICE]
+        fresh = minus(range(0, length), union(gone, below))
+        plan = _Plan(length, gone, inflight, fresh, prompt, held=held, remote=remote)
+        need = sum(map(len, fresh)) + len(held) - len(kept)
+        return need + ask.reserve - (pool.num_free - pool.count_idle(kept)), plan
 
-    def take_admission(self, key: int, hits: int, total: int, hit_tokens: int, prepared: Any) -> None:
-        """Keep the window blocks the hit needs, take the new ones (the caller checked the room)."""
-        kept, length, released, fresh, inflight, prompt = prepared
-        self.pool._acquire_valid(kept)
-        table = [PLACEHOLDER] * length
-        if kept:
-            window = needed_blocks(self.rule, hit_tokens)
-            table[window.start : window.stop] = kept
-        count = sum(map(len, fresh))
-        if count:
-            new = self.take_blocks(count)
-            done = 0
-            for r in fresh:
-                table[r.start : r.stop] = new[done : done + len(r)]
-                done += len(r)
+    def _sources(self, ask: Ask, remote: Sequence[int] | None, below: Positions) -> list[tuple[int, int, int]] | None:
+        """(position, block, where) of each position ``below`` the hit the table holds, for an admission through
+        tiers or a handoff; None when a needed block is nowhere. Pure."""
+        keys = self.keys(ask.hashes)
+        block_of = self.index.block_of
+        tiers = None if remote is not None else self.tiers  # a handoff is matched on device only
+        held = []
+        for r in below:
+            for position in r:
+                key = keys[position]
+                block = block_of(key)
+                if block is not None:
+                    held.append((position, block, DEVICE))
+                    continue
+                found = tiers.where(key) if tiers is not None else None
+                if found is not None:
+                    held.append((position, found[1], found[0]))
+                elif remote is not None:
+                    held.append((position, remote[position], REMOTE))
+                else:
+                    return None
+        return held
+
+    def take_admission(self, key: int, ask: Ask, prepared: Any) -> GroupCopies | None:
+        """Keep the blocks the hit needs, take the new ones (the caller checked the room); the copies that
+        fill the new ones (None when there are none)."""
+        plan: _Plan = prepared
+        table = [PLACEHOLDER] * plan.length
+        copies = None
+        if plan.held is None:  # every needed block on device
+            kept: list[int] = plan.kept  # type: ignore[assignment]
+            self.pool._acquire_valid(kept)
+            if kept:
+                table[plan.window.start : plan.window.stop] = kept
+            count = sum(map(len, plan.fresh))
+            new = iter(self.take(count) if count else ())
+        else:
+            held = plan.held
+            self.pool._acquire_valid([block for _, block, where in held if where == DEVICE])
+            from_host = [block for _, block, where in held if where == HOST]
+            if from_host and self.tiers is not None and self.tiers.host is not None:
+                self.tiers.host.acquire(from_host)  # before an eviction can write back into the host tier
+            copied = sum(1 for *_, where in held if where != DEVICE)
+            new = iter(self.take(sum(map(len, plan.fresh)) + copied))
+            copies = GroupCopies()
+            for position, block, where in held:
+                if where == DEVICE:
+                    table[position] = block
+                    continue
+                target = next(new)
+                table[position] = target
+                if where == HOST:
+                    copies.swaps.append((block, target, position))
+                elif where == STORED:
+                    copies.loads.append((target, position))
+                else:
+                    copies.moves.append((block, target))
+        remote = plan.remote
+        for r in plan.fresh:
+            for position in r:
+                target = next(new)
+                table[position] = target
+                if remote is not None:  # a handoff: the prompt's blocks come from the prefill node
+                    copies.moves.append((remote[position], target))  # type: ignore[union-attr]
         self.tables[key] = table
-        self._released[key] = released
-        self._prompts[key] = prompt
-        if inflight:
-            self._inflight[key] = inflight
+        self._released[key] = plan.gone
+        self._prompts[key] = plan.prompt
+        if plan.inflight:
+            self._inflight[key] = plan.inflight
+        return copies if copies else None
 
     def growth_short(self, key: int, total: int) -> int:
         """Blocks the group lacks to grow the sequence's table to ``total`` chain blocks. Pure."""
@@ -307,7 +379,7 @@ class LocalGroupManager:
         table = self.tables[key]
         after = self.table_length(total)
         if after > len(table):
-            table += self.take_blocks(after - len(table))
+            table += self.take(after - len(table))
         elif after < len(table):
             surplus = table[after:]
             del table[after:]
@@ -322,12 +394,20 @@ class LocalGroupManager:
         gone = self._released[key]
         kind = self.kind
         prompt = self._prompts[key]
-        if cache and kind.prefix_cached:  # a duplicate stays private; released positions are never indexed
+        cache = cache and kind.prefix_cached
+        if cache:  # a duplicate stays private; released positions are never indexed
             stop = kind.cached_stop(n, self.block_size, prompt)
             self._index(self.keys(hashes), table, gone, before // self.block_size, stop)
         now = kind.released(n, self.block_size, self.span, prompt)
-        if not now or now == gone:
-            return
+        if now and now != gone:
+            self._release_more(key, table, gone, now)
+        tiers = self.tiers
+        if cache and tiers is not None and tiers.writes_through:
+            size = self.block_size
+            tiers.written(self.index.block_of, self.keys(hashes), before // size, n // size)
+
+    def _release_more(self, key: int, table: list[int], gone: Positions, now: Positions) -> None:
+        """Release the positions of ``now`` not in ``gone`` (cached blocks stay findable, idle)."""
         first = now[0]
         if len(now) == 1 and not first.start and (not gone or (len(gone) == 1 and not gone[0].start)):
             done = gone[0].stop if gone else 0  # a window's case: one leading run, longer now
@@ -346,12 +426,6 @@ class LocalGroupManager:
             self.pool._release_valid(leaving)
             self._released[key] = union(gone, now)
 
-    def index_committed(self, key: int, hashes: Sequence[BlockHash], committed: int) -> None:
-        """Make the sequence's held blocks below ``committed`` tokens findable (a tier's copies landed)."""
-        if self.kind.prefix_cached:
-            stop = self.kind.cached_stop(committed, self.block_size, self._prompts[key])
-            self._index(self.keys(hashes), self.tables[key], self._released[key], 0, stop)
-
     def _index(self, keys: Sequence[BlockHash], table: list[int], gone: Positions, start: int, stop: int) -> None:
         """Index the held positions of ``[start, stop)``."""
         if start >= stop:
@@ -362,14 +436,46 @@ class LocalGroupManager:
         for r in minus(range(start, stop), gone):
             self.index.insert_run(keys, table, r.start, r.stop)
 
-    def release(self, key: int) -> None:
-        """The sequence leaves: the blocks it still holds go back, tail first."""
-        gone = self._released[key]
-        table = self.pop_table(key)
+    def release(self, key: int, defer: list[list[int]] | None = None) -> None:
+        """The sequence leaves: the blocks it still holds go back, tail first (into ``defer`` instead, when a
+        copy in flight still writes into them: released when that copy is reported)."""
+        gone = self._released.pop(key)
+        self._prompts.pop(key)
+        self._inflight.pop(key, None)
+        table = self.tables.pop(key)
         held = table[gone[0].stop :] if gone and gone[0].start == 0 else table  # the leading run is released
         held = [b for b in held if b != PLACEHOLDER]
         held.reverse()
-        self.pool._release_valid(held)
+        if defer is None:
+            self.pool._release_valid(held)
+        else:
+            defer.append(held)
+
+    def cut_back(self, key: int, hit: int, chain_block_size: int) -> None:
+        """An admission's copies fell short: the table keeps what a hit of ``hit`` chain blocks needs; the rest
+        (never committed) goes back, the positions the kind releases there first, then the tail."""
+        table = self.tables[key]
+        end = self.table_length(hit)
+        had = self._released[key]
+        tokens = hit * chain_block_size
+        gone = _clip(union(had, self.kind.released(tokens, self.block_size, self.span, self._prompts[key])), end)
+        leaving = [table[p] for r in minus(gone, had) for p in r if table[p] != PLACEHOLDER]
+        dropped = [b for b in reversed(table[end:]) if b != PLACEHOLDER]
+        del table[end:]
+        for r in gone:
+            table[r.start : r.stop] = [PLACEHOLDER] * len(r)
+        self.pool._release_valid(leaving)
+        self.pool._release_valid(dropped)
+        self._released[key] = gone
+        inflight = _clip(self._inflight.pop(key, ()), end)
+        if inflight:
+            self._inflight[key] = inflight
+
+    def index_landed(self, key: int, hashes: Sequence[BlockHash], committed: int) -> None:
+        """An admission's copies landed: the blocks it holds below ``committed`` tokens become findable."""
+        if self.kind.prefix_cached:
+            stop = self.kind.cached_stop(committed, self.block_size, self._prompts[key])
+            self._index(self.keys(hashes), self.tables[key], self._released[key], 0, stop)
 
     # ------------------------------------------------------------------ checks
 

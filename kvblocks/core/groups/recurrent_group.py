@@ -34,6 +34,7 @@ from typing import Any
 
 from kvblocks.core.groups.block_index import FlatBlockIndex
 from kvblocks.core.groups.hits import GroupHitRule
+from kvblocks.core.groups.protocol import Ask, GroupCopies
 from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
@@ -152,26 +153,25 @@ class _Recurrent:
         else:
             self.ops.append(StateCopy(self.number, None, slot))  # stale bytes of another state look like NaN
 
-    def admission(
-        self,
-        hashes: Sequence[BlockHash],
-        hits: int,
-        total: int,
-        hit_tokens: int,
-        encoder: int,
-        *,
-        prompt: int | None = None,
-        covered: int | None = None,
-    ) -> tuple[int, Any] | None:
-        """The group's part of an admission (see :class:`~kvblocks.hybrid.local.LocalGroupManager`): None when
-        the hit has no checkpoint; else one "block" short when no slot is free (preempting one sequence helps)."""
-        ready = self.can_admit(hashes, hit_tokens)
+    def admission(self, ask: Ask, remote: Sequence[int] | None) -> tuple[int, Any] | None:
+        """The group's part of an admission (see :class:`~kvblocks.core.groups.protocol.GroupManager`): None
+        when the hit has no checkpoint; else one "block" short when no slot is free (preempting one sequence
+        helps). A handoff (``remote``: the prefill node's state id) needs a free slot only."""
+        if remote is not None:
+            return (0 if self.free_slots else 1), remote
+        ready = self.can_admit(ask.hashes, ask.hit_tokens)
         if ready is None:
             return None
-        return (0 if ready else 1), hashes
+        return (0 if ready else 1), None
 
-    def take_admission(self, key: int, hits: int, total: int, hit_tokens: int, prepared: Any) -> None:
-        self.admit(key, prepared, hit_tokens)
+    def take_admission(self, key: int, ask: Ask, prepared: Any) -> GroupCopies | None:
+        """A slot holding the state at the hit (restored or zeroed by the plan), or, for a handoff, the state
+        copied from the prefill node's."""
+        if prepared is not None:
+            slot = self.receive(key)
+            return GroupCopies(moves=[(prepared[0], slot)])
+        self.admit(key, ask.hashes, ask.hit_tokens)
+        return None
 
     def receive(self, key: int) -> int:
         """Give a sequence a slot whose state arrives from elsewhere (a prefill node's handoff): no operation."""

@@ -15,14 +15,14 @@ import torch
 from kvblocks.attention import StepMetadataBuilder
 from kvblocks.backends import get_backend
 from kvblocks.backends.cache import KVCache
+from kvblocks.core.groups.local_group import LocalGroup
+from kvblocks.core.manager import KVCacheManager
 from kvblocks.errors import ConfigError, InvalidArgumentError, InvalidTokenError
 from kvblocks.hashing import DEFAULT_SCHEME
-from kvblocks.hybrid import HybridKVCacheManager, LocalGroup
 from kvblocks.integrations.transformers.attention import Step, kvblocks_attention, step_scope
 from kvblocks.integrations.transformers.inspection import model_layout
 from kvblocks.integrations.transformers.layout import FULL_GROUP
-from kvblocks.manager import KVCacheManager
-from kvblocks.tiers import EntryFormat, TierConfig, TieredKVCacheManager
+from kvblocks.tiers import EntryFormat, TierConfig
 from kvblocks.tiers.executor import TransferExecutor
 
 
@@ -62,7 +62,7 @@ class PagedGenerator:
     The model keeps its own attention implementation outside :meth:`generate`.
 
     ``tiers`` puts a host tier and/or a storage tier under the device pool (a
-    :class:`~kvblocks.tiers.TieredKVCacheManager`; its ``entry_format`` must be
+    manager's ``tiers``; its ``entry_format`` must be
     :func:`entry_format` of the model). ``namespace`` names the key space of stored entries:
     generators of different models sharing a storage directory need different namespaces.
     A generator with a storage tier owns its threads: :meth:`close` it (or use ``with``).
@@ -116,7 +116,7 @@ class PagedGenerator:
         if self.layout.hybrid:
             raise ConfigError(
                 "PagedGenerator serves tiers for models whose layers are all of one kind; this one mixes full "
-                "and sliding-window layers (a TieredHybridKVCacheManager's plan.group_transfers are not run yet)"
+                "and sliding-window layers (a hybrid manager's plan.group_transfers are not run yet)"
             )
         expected = EntryFormat.for_spec(self.layout.spec(FULL_GROUP, block_size), DEFAULT_SCHEME)
         if tiers.storage is not None and tiers.entry_format != expected:
@@ -135,24 +135,20 @@ class PagedGenerator:
         namespace: str,
     ) -> KVCacheManager:
         layout = self.layout
-        if tiers is not None:
-            return TieredKVCacheManager(
-                num_blocks, block_size, tiers=tiers, namespace=namespace, enable_prefix_caching=caching
-            )
-        if not layout.hybrid:
-            return KVCacheManager(num_blocks, block_size, namespace=namespace, enable_prefix_caching=caching)
-        window = layout.window
-        if window is None:  # pragma: no cover - hybrid means a window exists
-            raise ConfigError("a hybrid layout needs a sliding window")
-        group = LocalGroup("sliding_window", span=window, num_blocks=window_blocks or num_blocks)
-        return HybridKVCacheManager(
-            num_blocks, block_size, local_groups=[group], namespace=namespace, enable_prefix_caching=caching
+        groups: list[LocalGroup] = []
+        if layout.hybrid:
+            window = layout.window
+            if window is None:  # pragma: no cover - hybrid means a window exists
+                raise ConfigError("a hybrid layout needs a sliding window")
+            groups.append(LocalGroup("sliding_window", span=window, num_blocks=window_blocks or num_blocks))
+        return KVCacheManager(
+            num_blocks, block_size, namespace=namespace, enable_prefix_caching=caching, tiers=tiers, groups=groups
         )
 
     def _transfer_executor(self, backend: Any, block_size: int) -> TransferExecutor | None:
         """The executor that runs a tiered manager's copies between the device cache and a host cache."""
         manager = self.manager
-        if not isinstance(manager, TieredKVCacheManager):
+        if manager.tiers is None:
             return None
         host = None
         if manager.host is not None:
@@ -161,10 +157,7 @@ class PagedGenerator:
         return TransferExecutor(manager, backend, self.caches[FULL_GROUP], host)
 
     def _group_blocks(self, group: int) -> int:
-        manager = self.manager
-        if isinstance(manager, HybridKVCacheManager):
-            return manager.group_pool(group).num_blocks
-        return manager.num_blocks
+        return self.manager.group_pool(group).num_blocks
 
     # ------------------------------------------------------------------ public
 
@@ -193,13 +186,11 @@ class PagedGenerator:
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Wait until queued storage writes reached storage (True if they did; no storage tier: True)."""
-        manager = self.manager
-        return manager.flush(timeout) if isinstance(manager, TieredKVCacheManager) else True
+        return self.manager.flush(timeout)
 
     def close(self) -> None:
         """Stop a storage tier's threads (queued writes get a bounded time to finish) and close its backend."""
-        if isinstance(self.manager, TieredKVCacheManager):
-            self.manager.close()
+        self.manager.close()
 
     def __enter__(self) -> PagedGenerator:
         return self
@@ -321,7 +312,7 @@ class PagedGenerator:
         if manager.allocate(request.seq_id, n, num_cached_tokens=hit) is None:
             return None
         request.computed = hit
-        request.pending = isinstance(manager, TieredKVCacheManager) and not manager.is_ready(request.seq_id)
+        request.pending = not manager.is_ready(request.seq_id)
         request.granted = n if request.pending else 0
         return n
 
@@ -330,7 +321,7 @@ class PagedGenerator:
     def _probe(self, requests: list[_Request]) -> None:
         """With a storage tier, register every request up front: its storage check runs while others compute."""
         manager = self.manager
-        if not isinstance(manager, TieredKVCacheManager) or manager.storage is None:
+        if manager.storage is None or manager.tiers is None:
             return
         deadline = time.monotonic() + manager.tiers.storage_timeout_s
         for request in requests:
@@ -343,7 +334,7 @@ class PagedGenerator:
         """Whether admission should wait for the request's storage check (else stored blocks would be recomputed)."""
         manager = self.manager
         return (
-            isinstance(manager, TieredKVCacheManager)
+            manager.tiers is not None
             and request.registered
             and time.monotonic() < request.probe_deadline
             and manager.is_storage_check_pending(request.seq_id)
@@ -371,7 +362,7 @@ class PagedGenerator:
         """Run what the last commits and frees planned (write-through saves, deferred releases), then wait for the
         storage writes, so that a generator started next on the same directory finds them."""
         manager = self.manager
-        if self._executor is None or not isinstance(manager, TieredKVCacheManager):
+        if self._executor is None:
             return
         self._executor.run(manager.take_transfers())
         self.flush()

@@ -1,0 +1,521 @@
+"""The tiers of a manager: a :class:`~kvblocks.tiers.stack.TierStack` per attention group, the step plans,
+and the admissions whose copies are pending.
+
+``lookup`` reports three stacked runs; ``allocate`` gives every cached block a device block at once,
+and the copies that fill them are pending until they complete::
+
+    prompt      | b0 | b1 | b2 | b3 | b4 | b5 | . . new tokens . . |
+    where       |  device |   host  | storage |
+    lookup      CachedTokens(device=2B, host=2B, storage=2B)
+    allocate    table [d0, d1, n2, n3, n4, n5, n6 ...]
+                swap-ins (h2->n2, h3->n3) in the step's TransferPlan; a storage read of b4, b5
+    pending     b2..b5 are neither committed nor matchable; commit() is refused
+    complete    complete_transfers(plan) and poll_loads() report the copies; the sequence's
+                cached prefix becomes device-resident. If b4 is missing, only the blocks up to b3
+                count: n4, n5 and everything after go back to the pool, and the engine
+                allocates the rest again to compute it.
+
+A hybrid model's local groups (sliding window, chunked local) each have a stack too: an admission
+copies in every block its window needs that is not on device, in every group or none, and a failed
+copy in any group cuts the hit back to the longest one every group still serves with what landed.
+
+The scheduler's calls do no I/O: storage hits come from an index of known-stored hashes, reads and
+writes are queued to threads, and the tensors are moved by whoever executes the plans (the engine,
+or :class:`~kvblocks.tiers.TransferExecutor` when the caches are ours). Per step, an engine does:
+scheduling calls (allocate / free / preempt), then ``take_transfers()`` and runs the plan, then
+``complete_transfers(plan)``, then applies ``poll_loads()``, then the forward pass and ``commit``.
+
+Events: with an event sink, every group's host and storage tiers emit ``tier="host"`` / ``"storage"``
+events tagged as that group's device index tags its own. Host events are emitted by the call that
+changed the tier; storage events, which the I/O threads note, at the next ``take_transfers``,
+``complete_transfers`` or ``poll_loads`` -- always on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from kvblocks.config import CacheConfig
+from kvblocks.core.groups.local_group import LocalGroupManager
+from kvblocks.core.groups.protocol import GroupCopies
+from kvblocks.core.sequence import _Sequence
+from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError
+from kvblocks.event_codec import BlockStored
+from kvblocks.events import EventSink
+from kvblocks.hashing import BlockHash, Namespace
+from kvblocks.pool import BlockPool
+from kvblocks.tiers.config import TierConfig
+from kvblocks.tiers.entry import group_tag, namespace_tag
+from kvblocks.tiers.host import HostTier
+from kvblocks.tiers.pending import TierStats, _Admission, _Counts, _Plan
+from kvblocks.tiers.stack import TierStack
+from kvblocks.tiers.storage_tier import LoadOutcome, StorageTier
+from kvblocks.tiers.transfers import GroupTransfers, TransferPlan, per_group
+
+__all__ = ["Tiering"]
+
+
+class Tiering:
+    """Every attention group's :class:`TierStack`, the open and in-flight plans, and the pending admissions.
+
+    Group 0 is full attention (``block_size`` tokens a block, its tree's events tagged ``tag``); groups
+    1, 2, ... are ``locals``, each given its stack (``local.tiers``). The manager asks it for hits beyond
+    the device and hands it the copies of each admission; it hands back the admissions whose copies
+    have all been reported, for the manager to settle.
+    """
+
+    def __init__(
+        self,
+        tiers: TierConfig,
+        config: CacheConfig,
+        pool: BlockPool,
+        locals_: Sequence[LocalGroupManager],
+        *,
+        events: EventSink | None,
+        tag: tuple[int | None, str | None],
+    ) -> None:
+        if not isinstance(tiers, TierConfig):
+            raise ConfigError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
+        per_group = tiers.group_host_blocks
+        if per_group and len(per_group) != len(locals_):
+            raise ConfigError(
+                f"group_host_blocks names {len(per_group)} groups, the manager has {len(locals_)} local groups"
+            )
+        formats = tiers.group_entry_formats if tiers.storage is not None else ()
+        if formats and len(formats) != len(locals_):
+            raise ConfigError(
+                f"group_entry_formats names {len(formats)} groups, the manager has {len(locals_)} local groups"
+            )
+        self.config = tiers
+        self.counts = _Counts()
+        self.save_on_preempt = tiers.save_on_preempt
+        group, kind = tag
+        host = (
+            HostTier(
+                tiers.num_host_blocks,
+                events=events,
+                group=group,
+                group_kind=kind,
+                block_size=config.block_size,
+                eviction=tiers.host_eviction,
+            )
+            if tiers.host_enabled
+            else None
+        )
+        namespace = Namespace.of(config.namespace)
+        storage = (
+            StorageTier(
+                tiers, namespace, config.hash_scheme, config.block_size, events=events, group=group, group_kind=kind
+            )
+            if tiers.storage is not None
+            else None
+        )
+        self.stacks = [self._stack(0, host, storage)]
+        on = tiers.host_policy != "off"
+        base = namespace_tag(namespace, config.hash_scheme, config.block_size)
+        for index, local in enumerate(locals_):
+            number = index + 1
+            count = per_group[index] if per_group else 0
+            kind_name = local.kind.event_name
+            local_host = (
+                HostTier(count, events=events, group=number, group_kind=kind_name, block_size=local.block_size)
+                if on and count
+                else None
+            )
+            local_storage = (
+                StorageTier(
+                    tiers,
+                    namespace,
+                    config.hash_scheme,
+                    local.block_size,
+                    entry_format=formats[index],
+                    tag=group_tag(base, number, kind_name, local.block_size, local.span),
+                    owns_backend=False,  # group 0's tier closes the backend, after the local groups' tiers
+                    events=events,
+                    group=number,
+                    group_kind=kind_name,
+                )
+                if formats
+                else None
+            )
+            local.tiers = self._stack(number, local_host, local_storage)
+        self.stacks += [local.tiers for local in locals_]  # type: ignore[misc]  # each was just given one
+        self.locals = list(locals_)
+        self.pools = [pool, *(local.pool for local in locals_)]  # each group's device pool
+        self.events = events is not None
+        self.open = self._new_plan(0)
+        self.inflight: dict[int, _Plan] = {}
+        self.quiet: tuple[GroupTransfers, ...] | None = None  # the group entries of a plan that moves nothing
+        self.admissions: dict[int, _Admission] = {}  # id(_Sequence) -> its pending admission
+        self.loads: dict[tuple[int, int], _Admission] = {}  # (group, storage request) -> admission
+        self.held_results: list[tuple[int, int, LoadOutcome]] = []
+        self.probes: dict[Hashable, list[tuple[int, int]]] = {}  # sequence -> (group, storage check) unanswered
+        self.hold_for: _Sequence | None = None  # a sequence preempted with saves: its blocks wait for the plan
+
+    def _stack(self, number: int, host: HostTier | None, storage: StorageTier | None) -> TierStack:
+        config = self.config
+        policies = {"host_policy": config.host_policy, "storage_policy": config.storage_policy}
+        return TierStack(number, host, storage, counts=self.counts, **policies)
+
+    def _new_plan(self, plan_id: int) -> _Plan:
+        plan = _Plan(plan_id, len(self.stacks))
+        for stack, part in zip(self.stacks, plan.groups, strict=True):
+            stack.plan = part
+            if self.events:
+                stack.on_change = self.publish
+        return plan
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def host(self) -> HostTier | None:
+        return self.stacks[0].host
+
+    @property
+    def storage(self) -> StorageTier | None:
+        return self.stacks[0].storage
+
+    @property
+    def num_pending_loads(self) -> int:
+        return len(self.loads)
+
+    def probe(self, seq_id: Hashable, group: int, keys: Sequence[BlockHash]) -> None:
+        """Ask group ``group``'s storage (off-thread) which of ``keys`` it holds, for sequence ``seq_id``."""
+        storage = self.stacks[group].storage
+        request = storage.probe(keys) if storage is not None and keys else None
+        if request is not None:
+            self.probes.setdefault(seq_id, []).append((group, request))
+
+    def is_storage_check_pending(self, seq_id: Hashable) -> bool:
+        """Whether a storage check queued for ``seq_id``, in any group, is still unanswered."""
+        probes = self.probes.get(seq_id)
+        if not probes:
+            return False
+        stacks = self.stacks
+        left = [(g, r) for g, r in probes if not stacks[g].storage.is_answered(r)]  # type: ignore[union-attr]
+        if left:
+            self.probes[seq_id] = left
+            return True
+        del self.probes[seq_id]
+        return False
+
+    # ------------------------------------------------------------------ admissions
+
+    def pend(
+        self, seq_id: Hashable, s: _Sequence, hit: int, device: int, copies: Sequence[GroupCopies | None]
+    ) -> _Admission:
+        """Record an admission whose ``copies`` (one entry per group) are pending, and plan them."""
+        admission = _Admission(seq_id, s, hit, device, copies)
+        plan = self.open
+        hashes = s.content.hashes
+        for number, group in enumerate(copies):
+            if group is None:
+                continue
+            if group.swaps:
+                admission.swap_plan = plan.id
+                plan.groups[number].swap_ins.extend((h, d, admission, p) for h, d, p in group.swaps)
+            if group.loads:
+                self._start_load(admission, number, hashes)
+        self.admissions[id(s)] = admission
+        return admission
+
+    def _start_load(self, admission: _Admission, number: int, hashes: Sequence[BlockHash]) -> None:
+        """Queue group ``number``'s storage read of an admission's blocks (reported by :meth:`poll_loads`)."""
+        storage: StorageTier = self.stacks[number].storage  # type: ignore[assignment]  # it made the loads
+        keys = hashes if number == 0 else self.locals[number - 1].keys(hashes)
+        pending = admission.groups[number]
+        request = storage.load([keys[p] for _, p in pending.copies.loads])  # type: ignore[union-attr]
+        pending.request = request  # type: ignore[union-attr]
+        admission.load_plan = self.open.id  # held until this step's plan was taken (its saves read first)
+        admission.deadline = max(admission.deadline, time.monotonic() + storage.timeout_s)
+        self.loads[number, request] = admission
+
+    def leave(self, s: _Sequence) -> tuple[_Admission | None, _Plan | None]:
+        """A sequence leaves: forget its pending admission (its loads are skipped or dropped). Returns that
+        admission, and the in-flight plan whose copies still write into its blocks (their releases wait for it)."""
+        admission = self.admissions.pop(id(s), None)
+        if admission is None:
+            return None, None
+        admission.cancelled = True
+        for number, pending in enumerate(admission.groups):
+            if pending is not None and self.loads.pop((number, pending.request), None) is not None:
+                self.stacks[number].storage.cancel(pending.request)  # type: ignore[union-attr]
+        if admission.swaps_reported:
+            return admission, None
+        if admission.swap_plan != self.open.id:
+            return admission, self.inflight[admission.swap_plan]
+        for number, (pending, part) in enumerate(zip(admission.groups, self.open.groups, strict=True)):
+            if pending is not None and pending.copies.swaps:  # not handed out yet: drop the swap-ins
+                part.swap_ins = [entry for entry in part.swap_ins if entry[2] is not admission]
+                self.stacks[number].host.release(h for h, _, _ in pending.copies.swaps)  # type: ignore[union-attr]
+        return admission, None
+
+    # ------------------------------------------------------------------ plans
+
+    def take_transfers(self) -> TransferPlan:
+        """The copies this step's scheduling calls planned (see the module docstring)."""
+        plan = self.open
+        self.open = self._new_plan(plan.id + 1)
+        busy = plan.busy()
+        if busy:
+            self.inflight[plan.id] = plan
+        if self.events:
+            self.publish()
+        if not busy:  # the common step: nothing to move; every group's (empty) entry, built once
+            quiet = self.quiet
+            if quiet is None:
+                quiet = self.quiet = plan.frozen_groups()
+            return TransferPlan(plan.id, quiet)
+        return plan.frozen()
+
+    def complete_transfers(
+        self,
+        plan: TransferPlan,
+        saved: object,
+        failed_swap_ins: object,
+        failed_swap_outs: object,
+        previous: tuple[object, object, object] = (None, None, None),
+    ) -> list[_Admission]:
+        """Report that ``plan`` ran (see :meth:`KVCacheManager.complete_transfers`); returns the admissions whose
+        swap-ins it reported, for the caller to settle. Every argument is checked before anything changes."""
+        groups = len(self.stacks)
+        saved_by = _by_group(saved, previous[0], "saved", groups, None)
+        failed_in = _by_group(failed_swap_ins, previous[1], "failed_swap_ins", groups, ())
+        failed_out = _by_group(failed_swap_outs, previous[2], "failed_swap_outs", groups, ())
+        if not isinstance(plan, TransferPlan):
+            raise InvalidArgumentError(f"expected a TransferPlan, got {type(plan).__name__}")
+        state = self.inflight.get(plan.id)
+        if state is None:
+            if not plan:
+                named = sorted({b for blocks in (*failed_in, *failed_out) for b in blocks})
+                if named:
+                    raise InvalidArgumentError(f"failed blocks {named} named for an empty plan: it moves nothing")
+                return []
+            raise InvalidArgumentError(f"transfer plan {plan.id} is unknown or already completed")
+        failed_in_sets = [set(blocks) for blocks in failed_in]
+        failed_out_sets = [set(blocks) for blocks in failed_out]
+        for number, part in enumerate(state.groups):
+            label = "" if number == 0 else f"[{number}]"
+            if not failed_in_sets[number] <= {d for _, d, _, _ in part.swap_ins}:
+                raise InvalidArgumentError(
+                    f"failed_swap_ins{label} {sorted(failed_in_sets[number])} are not swap-in targets of this plan"
+                )
+            if not failed_out_sets[number] <= {h for _, h, _ in part.swap_outs}:
+                raise InvalidArgumentError(
+                    f"failed_swap_outs{label} {sorted(failed_out_sets[number])} are not swap-out targets of this plan"
+                )
+            given = saved_by[number]
+            if given is not None and part.saves:
+                if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+                    raise InvalidArgumentError(f"saved{label} must be a sequence of payloads, one per save")
+                self.stacks[number].storage.check_payloads([save.block_hash for save in part.saves], given)  # type: ignore[union-attr]
+        del self.inflight[plan.id]
+        counts = self.counts
+        for number, part in enumerate(state.groups):
+            given = saved_by[number]
+            if part.saves:
+                if given is None:
+                    counts.saves_without_payload += len(part.saves)
+                else:
+                    self.stacks[number].storage.save([save.block_hash for save in part.saves], given)  # type: ignore[union-attr]
+        reported: dict[int, _Admission] = {}
+        for number, part in enumerate(state.groups):
+            host = self.stacks[number].host
+            failed = failed_out_sets[number]
+            for _, host_block, block_hash in part.swap_outs:
+                ok = host_block not in failed
+                host.complete(block_hash, host_block, ok)  # type: ignore[union-attr]
+                counts.swap_outs += ok
+                counts.swap_out_failures += not ok
+            if not part.swap_ins:
+                continue
+            host.release([h for h, _, _, _ in part.swap_ins])  # type: ignore[union-attr]
+            failed = failed_in_sets[number]
+            for _, device_block, admission, position in part.swap_ins:
+                pending = admission.groups[number]
+                if pending.swapped is None:  # type: ignore[union-attr]
+                    pending.swapped = set()  # type: ignore[union-attr]
+                    reported.setdefault(id(admission), admission)
+                if device_block in failed:
+                    counts.swap_in_failures += 1
+                else:
+                    pending.swapped.add(position)  # type: ignore[union-attr]
+                    counts.swap_ins += 1
+        for part, pool in zip(state.groups, self.pools, strict=True):
+            for order in part.deferred:
+                pool._release_valid(order)
+        if self.events:
+            self.publish()
+        return [a for a in reported.values() if not a.cancelled and self.admissions.get(id(a.seq)) is a]
+
+    def poll_loads(self) -> list[tuple[int, _Admission, LoadOutcome, bool]]:
+        """Storage reads of every group that finished (or timed out) since the last poll, as (group,
+        admission, outcome, timed out). Never waits. A read is reported only once the plan of the step that
+        admitted its sequence was taken, so a block evicted in that step is saved before a load overwrites it."""
+        results: list[tuple[int, _Admission, LoadOutcome, bool]] = []
+        taken = self.open.id  # plans with a smaller id were handed out
+        held, self.held_results = self.held_results, []
+        finished = [
+            (number, request, outcome)
+            for number, stack in enumerate(self.stacks)
+            if stack.storage is not None
+            for request, outcome in stack.storage.take_results()
+        ]
+        for number, request, outcome in held + finished:
+            admission = self.loads.get((number, request))
+            if admission is None:
+                continue  # cancelled or timed out: its blocks may belong to someone else now
+            if admission.load_plan >= taken:
+                self.held_results.append((number, request, outcome))
+                continue
+            del self.loads[number, request]
+            results.append((number, admission, outcome, False))
+        now = time.monotonic()
+        for (number, request), admission in list(self.loads.items()):
+            if admission.deadline <= now and admission.load_plan < taken:
+                del self.loads[number, request]
+                storage: StorageTier = self.stacks[number].storage  # type: ignore[assignment]
+                storage.cancel(request)
+                storage.note_timeout(len(admission.groups[number].copies.loads))  # type: ignore[union-attr]
+                results.append((number, admission, LoadOutcome(()), True))
+        if self.events:
+            self.publish()
+        return results
+
+    # ------------------------------------------------------------------ events and maintenance
+
+    def publish(self) -> None:
+        """Emit what every group's host and storage tiers noted (with a sink only, on the manager's thread)."""
+        for stack in self.stacks:
+            stack.publish()
+
+    def snapshot_events(self) -> list[BlockStored]:
+        events: list[BlockStored] = []
+        for stack in self.stacks:
+            events += stack.snapshot_events()
+        return events
+
+    @property
+    def busy(self) -> bool:
+        """Whether copies are pending or in flight (a reset must wait)."""
+        return bool(self.inflight or self.admissions or any(part.swap_outs for part in self.open.groups))
+
+    def clear_hosts(self) -> None:
+        for stack in self.stacks:
+            if stack.host is not None:
+                stack.host.clear()
+
+    def flush(self, timeout: float | None) -> bool:
+        """Wait until every group's queued storage writes are done. True if they are."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = True
+        for stack in (*self.stacks[1:], self.stacks[0]):
+            if stack.storage is not None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done = stack.storage.flush(left) and done
+        return done
+
+    def close(self, timeout: float | None) -> None:
+        """Stop every group's storage threads, group 0's last (it closes the backend)."""
+        for stack in (*self.stacks[1:], self.stacks[0]):
+            if stack.storage is not None:
+                stack.storage.close(timeout)
+
+    def stats(self) -> TierStats:
+        host = self.host
+        storage = self.storage
+        return TierStats(
+            host_blocks=host.pool.num_blocks if host is not None else 0,
+            host_blocks_cached=len(host) if host is not None else 0,
+            host_evicted=host.num_evicted if host is not None else 0,
+            storage=storage.stats.snapshot() if storage is not None else None,
+            writer=storage.writer.stats.snapshot() if storage is not None else None,
+            **asdict(self.counts),
+        )
+
+    def count_deferred(self, number: int, expected: list[int]) -> None:
+        """Add the references group ``number``'s blocks hold for a plan's deferred release."""
+        for plan in (self.open, *self.inflight.values()):
+            for order in plan.groups[number].deferred:
+                for block in order:
+                    expected[block] += 1
+
+    def check(self, block_size: int, device_of: Callable[[int, BlockHash], int | None]) -> None:
+        """The host tiers, the plans and the pending admissions agree. ``device_of(number, key)``: the block
+        group ``number``'s device index holds ``key`` in (None: none)."""
+        plans = (self.open, *self.inflight.values())
+        for number, stack in enumerate(self.stacks):
+            host = stack.host
+            holders = [0] * (host.pool.num_blocks if host is not None else 0)
+            for plan in plans:
+                part = plan.groups[number]
+                if host is None and (part.swap_ins or part.swap_outs):
+                    raise IntegrityError(
+                        f"a plan moves group {number}'s blocks to or from a host tier it does not have"
+                    )
+                for host_block, *_ in part.swap_ins:
+                    holders[host_block] += 1
+                for _, host_block, _ in part.swap_outs:
+                    holders[host_block] += 1
+            if host is None:
+                continue
+            host.check_integrity()
+            for b, count in enumerate(holders):
+                if host.pool.ref_count(b) != count:
+                    raise IntegrityError(
+                        f"group {number}: host block {b} has {host.pool.ref_count(b)} refs, {count} holders"
+                    )
+        for (number, request), admission in self.loads.items():
+            pending = admission.groups[number]
+            if self.admissions.get(id(admission.seq)) is not admission or pending is None or pending.request != request:
+                raise IntegrityError(f"group {number}: storage read {request} belongs to no pending admission")
+        for admission in self.admissions.values():
+            self._check_admission(admission, block_size, device_of)
+
+    def _check_admission(
+        self, admission: _Admission, block_size: int, device_of: Callable[[int, BlockHash], int | None]
+    ) -> None:
+        s = admission.seq
+        table = s.table
+        if table is None or admission.cancelled:
+            raise IntegrityError(f"pending admission of {admission.seq_id!r} lost its blocks")
+        if s.num_committed != admission.device * block_size:
+            raise IntegrityError(f"sequence {admission.seq_id!r} committed past its pending copies")
+        hashes = s.content.hashes
+        for number, pending in enumerate(admission.groups):
+            if pending is None:
+                continue
+            if pending.request >= 0 and self.loads.get((number, pending.request)) is not admission:
+                raise IntegrityError(f"group {number}: {admission.seq_id!r}'s storage read is not tracked")
+            own = table if number == 0 else self.locals[number - 1].tables.get(id(s), [])
+            keys = hashes if number == 0 else self.locals[number - 1].keys(hashes)
+            landing = [(d, p) for _, d, p in pending.copies.swaps] if pending.swapped is None else []
+            landing += pending.copies.loads if pending.loaded is None else []
+            for device_block, position in landing:
+                if position >= len(own) or own[position] != device_block:
+                    raise IntegrityError(f"group {number}: {admission.seq_id!r} lost the block a copy fills")
+                if device_of(number, keys[position]) == device_block:
+                    raise IntegrityError(f"group {number}: block {device_block} is findable before its copy landed")
+
+
+def _by_group(value: object, previous: object, what: str, groups: int, default: object) -> list[Any]:
+    """One figure per group from a ``complete_transfers`` argument (``{group: figure}``, or group 0's bare)
+    and the previous release's separate keyword for the groups after 0. Changes nothing."""
+    first, others = per_group(value, what, groups, default)
+    if previous:
+        if others:
+            raise InvalidArgumentError(f"give the groups' {what} in one mapping, not also in the previous keyword")
+        if not isinstance(previous, Mapping):
+            raise InvalidArgumentError(f"{what} of the groups after 0 must map a local group's index to figures")
+        for group, entry in previous.items():
+            if isinstance(group, bool) or not isinstance(group, int) or not 1 <= group < groups:
+                raise InvalidArgumentError(f"{what}: {group!r} is not a local group's index")
+            others[group] = entry
+    out = [default] * groups
+    out[0] = first if first is not None else default
+    for group, entry in others.items():
+        out[group] = entry
+    return out

@@ -368,7 +368,7 @@ class KVCacheManager:
         if self._tiers is None:
             return CachedTokens(device=self._match_length(s) * size, num_prompt_tokens=s.content.num_tokens)
         _, device, host, loads = self._tier_hit(s, None, None)
-        return CachedTokens(device * size, len(host) * size, loads * size, num_prompt_tokens=s.content.num_tokens)
+        return CachedTokens(len(device) * size, len(host) * size, loads * size, num_prompt_tokens=s.content.num_tokens)
 
     def blocks_short(self, seq_id: Hashable, num_new_tokens: int, *, num_lookahead_tokens: int = 0) -> int:
         """How many blocks ``allocate(seq_id, num_new_tokens, ...)`` would lack now (0: it would succeed), the most
@@ -637,7 +637,7 @@ class KVCacheManager:
         new ones, or nothing changes (None). With copies pending the table is an :class:`AdmittedTable` naming
         them, and the sequence is not ready (:meth:`is_ready`) until they are reported."""
         hit = self._hit(seq_id, s, expected)
-        short, beside = self._prepare(s, hit, n, k, admitting=True)
+        short, beside = self._prepare(s, hit, n, k, True)
         if beside is not None and None in beside[1]:  # only when the caller named a shorter hit than every group serves
             tokens = hit[0] * self._block_size
             raise StaleLookupError(
@@ -647,7 +647,7 @@ class KVCacheManager:
             return None
         copies = self._take_admission(s, hit, n, k, beside)
         hits, _, host, loads = hit
-        if not host and not loads and not any(copies):
+        if not host and not loads and (beside is None or not any(copies)):
             cached = CachedTokens(device=hits * self._block_size, num_prompt_tokens=s.content.num_tokens)
             self._admitted(seq_id, cached, s.preempted)
             return s.view
@@ -662,18 +662,18 @@ class KVCacheManager:
                 self._check_expected(seq_id, expected, len(matched))
                 del matched[expected:]
             return len(matched), matched, _NO_BLOCKS, 0
-        hit, device, host, loads = self._tier_hit(s, seq_id, expected)
-        return hit, self._tree.matched_blocks(s.content.hashes, device) if device else [], host, loads
+        return self._tier_hit(s, seq_id, expected)
 
-    def _tier_hit(self, s: _Sequence, seq_id: Hashable, expected: int | None) -> tuple[int, int, list[int], int]:
-        """(the hit every group serves from device or its tiers, group 0's device run within it, its host blocks
-        after that, its storage loads after those), in chain blocks. Pure; no I/O."""
+    def _tier_hit(self, s: _Sequence, seq_id: Hashable, expected: int | None) -> _Hit:
+        """:meth:`_hit` through tiers: the hit every group serves from device or its tiers, group 0's device
+        blocks within it, its host blocks after those, its storage loads after those. Pure; no I/O."""
         if not self._caching or s.skip_read:
-            return 0, 0, [], 0
+            return 0, [], _NO_BLOCKS, 0
         content = s.content
         hashes = content.hashes
         limit = self._cacheable_blocks(content.num_tokens)
-        device = self._tree.match_length(hashes, limit)
+        matched = self._tree.matched_blocks(hashes, limit)
+        device = len(matched)
         stack: TierStack = self._stack0  # type: ignore[assignment]  # a tiered manager's
         host = stack.host_run(hashes, device, limit)
         hit = device + len(host)
@@ -685,9 +685,11 @@ class KVCacheManager:
         if expected is not None:
             self._check_expected(seq_id, expected, hit)
             hit = expected
-        device = min(device, hit)
+        if device > hit:
+            del matched[hit:]
+            device = hit
         host = host[: hit - device]
-        return hit, device, host, hit - device - len(host)
+        return hit, matched, host, hit - device - len(host)
 
     def _prepare(
         self,
@@ -695,8 +697,8 @@ class KVCacheManager:
         hit: _Hit,
         n: int,
         k: int,
-        *,
         admitting: bool = False,
+        *,
         reserve: int = 0,
         window_token: int | None = None,
         remotes: Sequence[Sequence[int]] = (),
@@ -724,13 +726,12 @@ class KVCacheManager:
 
     def _take_admission(
         self, s: _Sequence, hit: _Hit, n: int, k: int, beside: _Beside | None
-    ) -> list[GroupCopies | None]:
+    ) -> Sequence[GroupCopies | None]:
         """The second phase: every group takes what :meth:`_prepare` found room for (the caller checked); the
         table covers the hit, ``n`` new tokens and ``k`` drafts. Returns the other groups' copies."""
         hits, matched, host, _ = hit
         size = self._block_size
-        key = id(s)
-        copies = self._coordinator.take(key, *beside) if beside is not None else []  # type: ignore[union-attr]
+        copies = self._coordinator.take(id(s), *beside) if beside is not None else ()  # type: ignore[union-attr]
         device = len(matched)
         covered = hits * size + n
         need = (covered + k + size - 1) // size - device
@@ -749,7 +750,7 @@ class KVCacheManager:
             s.watch = self._coordinator.next_move(hits * size)  # type: ignore[union-attr]
         return copies
 
-    def _pend(self, seq_id: Hashable, s: _Sequence, hit: _Hit, copies: list[GroupCopies | None]) -> AdmittedTable:
+    def _pend(self, seq_id: Hashable, s: _Sequence, hit: _Hit, copies: Sequence[GroupCopies | None]) -> AdmittedTable:
         """Hand an admission's copies to the tiers: pending until every one is reported."""
         hits, _, host, loads = hit
         table: list[int] = s.table  # type: ignore[assignment]  # just admitted
@@ -827,7 +828,10 @@ class KVCacheManager:
 
     def _take(self, count: int) -> list[int]:
         """``count`` fresh blocks of group 0, evicting idle leaves (written back when it has tiers)."""
-        return take_blocks(self._pool, self._tree, self._stack0, count)
+        pool = self._pool
+        if count <= pool.num_fresh:  # the common case: no eviction
+            return pool.take_fresh(count)
+        return take_blocks(pool, self._tree, self._stack0, count)
 
     def commit(self, seq_id: Hashable, num_computed_tokens: int) -> None:
         """Report that the first ``num_computed_tokens`` tokens' KV is written.

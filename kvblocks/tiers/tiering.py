@@ -258,17 +258,16 @@ class Tiering:
     def take_transfers(self) -> TransferPlan:
         """The copies this step's scheduling calls planned (see the module docstring)."""
         plan = self.open
-        self.open = self._new_plan(plan.id + 1)
-        busy = plan.busy()
-        if busy:
-            self.inflight[plan.id] = plan
         if self.events:
             self.publish()
-        if not busy:  # the common step: nothing to move; every group's (empty) entry, built once
+        if not plan.busy():  # the common step: nothing to move; the open plan stays, under the next id
+            plan.id += 1
             quiet = self.quiet
             if quiet is None:
                 quiet = self.quiet = plan.frozen_groups()
-            return TransferPlan(plan.id, quiet)
+            return TransferPlan(plan.id - 1, quiet)
+        self.open = self._new_plan(plan.id + 1)
+        self.inflight[plan.id] = plan
         return plan.frozen()
 
     def complete_transfers(
@@ -281,6 +280,13 @@ class Tiering:
     ) -> list[_Admission]:
         """Report that ``plan`` ran (see :meth:`KVCacheManager.complete_transfers`); returns the admissions whose
         swap-ins it reported, for the caller to settle. Every argument is checked before anything changes."""
+        if (
+            type(plan) is TransferPlan  # the common step: a plan that moved nothing, nothing said about it
+            and plan.id not in self.inflight
+            and not plan
+            and not (saved or failed_swap_ins or failed_swap_outs or any(previous))
+        ):
+            return []
         groups = len(self.stacks)
         saved_by = _by_group(saved, previous[0], "saved", groups, None)
         failed_in = _by_group(failed_swap_ins, previous[1], "failed_swap_ins", groups, ())

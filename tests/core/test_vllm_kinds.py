@@ -387,3 +387,21 @@ def test_a_decode_node_refuses_a_handoff_of_the_new_kinds(kind: str) -> None:
     p.commit("r", 17)
     with pytest.raises(HandoffError, match="handoff group kind must be one of sliding_window, chunked_local"):
         d.accept_handoff(p.finish_prefill("r"), list(range(17)))
+
+
+def test_step_metadata_pads_a_gap_released_after_its_rows_were_built() -> None:
+    """The engine's block table of a retained-prefix window shows -1 in the gap, as the group's table does,
+    though the gap opens behind positions the builder already copied."""
+    pytest.importorskip("torch")
+    from kvblocks.attention import StepMetadataBuilder
+
+    m = HybridKVCacheManager(64, 4, local_groups=[LocalGroup("retained_prefix_window", span=8, num_blocks=64)])
+    m.add_sequence("a", list(range(10)))
+    m.allocate("a", 10)
+    builder = StepMetadataBuilder(m)
+    builder.build(["a"], [10])
+    for n in range(10, 28):
+        m.step(["a"], [n], [[100 + n]])
+        meta = builder.build(["a"], [1])
+        assert meta.block_tables[1][0].tolist() == m.group_block_table("a", 1), n
+    assert meta.block_tables[1][0].tolist() == [0, 1, 2, P, P, 5, 6]

@@ -256,7 +256,7 @@ class HybridMachine(RuleBasedStateMachine):
                 if h is not None:
                     assert self.shadow[g].get(b) == h, f"a findable block of group {g} holds other KV"
         for g, states in self.states.items():
-            recurrent = m._recurrent(g)
+            recurrent = m._groups.recurrent(g)
             for h, checkpoint in recurrent.index._block_of.items():
                 expected = self.prefix_of[h]
                 assert states.get(recurrent.state_id(checkpoint)) == expected, "a findable checkpoint holds other state"

@@ -81,7 +81,7 @@ def index_of(m: HybridKVCacheManager, group: int) -> dict[BlockHash, int]:
     if group == 0:
         return m.tree._block_of
     if m.group_kinds[group] == "recurrent":
-        return m._recurrent(group).index._block_of
+        return m._groups.recurrent(group).index._block_of
     return m._locals[group - 1].index._block_of
 
 
@@ -99,7 +99,7 @@ def evicted(m: HybridKVCacheManager, entries: Sequence[tuple[int, BlockHash]]) -
 
 def checkpointed(m: HybridKVCacheManager, group: int, hashes: Sequence[BlockHash]) -> set[int]:
     """Block positions whose end has a findable checkpoint in recurrent group ``group``."""
-    index = m._recurrent(group).index
+    index = m._groups.recurrent(group).index
     return {i for i, h in enumerate(hashes) if h in index}
 
 
@@ -532,13 +532,13 @@ def test_replayssm_queues_live_copy_for_new_state_block() -> None:
     m.commit("request", 4)
     checkpoints = m.group_pool(1)
     assert checkpoints.ref_count(0) == 1  # being written: held, not findable
-    assert m._recurrent(1).index.block_of(m.block_hashes("request")[0]) is None
+    assert m._groups.recurrent(1).index.block_of(m.block_hashes("request")[0]) is None
     m.check_integrity()
     assert plan(m) == [StateCopy(1, 0, 1)]  # slot 0 -> checkpoint 0 (state 1)
     m.commit("request", 5)
     assert plan(m) == []  # the copy ran
     assert checkpoints.ref_count(0) == 0
-    assert m._recurrent(1).index.block_of(m.block_hashes("request")[0]) == 0
+    assert m._groups.recurrent(1).index.block_of(m.block_hashes("request")[0]) == 0
     m.free("request")
     m.check_integrity()
 
@@ -604,7 +604,7 @@ def test_reset_prefix_cache_mamba() -> None:
     assert plan(m) == []
     assert m.reset_prefix_cache()
     m.check_integrity()
-    assert len(m.tree) == 0 and len(m._recurrent(1).index) == 0
+    assert len(m.tree) == 0 and len(m._groups.recurrent(1).index) == 0
     assert m.match(prompt(4, [1])).device == 0
 
 
@@ -625,7 +625,7 @@ def test_reset_prefix_cache_mamba_restore_in_flight() -> None:
     if not m.reset_prefix_cache():
         return  # refusing (as the base does while a block is in use) is a correct answer too
     m.check_integrity()
-    assert len(m._recurrent(1).index) == 0  # fails: checkpoint 0 (state 2) is still cached
+    assert len(m._groups.recurrent(1).index) == 0  # fails: checkpoint 0 (state 2) is still cached
     plan(m)
     m.add_sequence("2", prompt(3, [3]))
     assert m.allocate("2", 49) is not None

@@ -1,10 +1,10 @@
-"""The layer groups beside full attention, coordinated: the common hit, two-phase admission, growth,
+"""A manager's layer groups, coordinated: the group queries, the common hit, two-phase admission, growth,
 commit and release over every group, each asked through one interface.
 
-A manager with groups beside full attention (sliding window, chunked local, recurrent state,
-cross-attention) owns one :class:`GroupCoordinator`; a manager of full attention only owns none, so its
-paths stay what they were. Groups are numbered 0 (full attention, the manager's own tree and tables),
+Every manager owns one :class:`GroupCoordinator`. Groups are numbered 0 (full attention:
+:class:`~kvblocks.core.groups.full_group.FullAttentionGroup`, whose blocks are the hash chain's),
 then the local groups in the order given, then the recurrent groups, then the cross-attention groups.
+A model of full attention only has group 0 alone: the loops over the groups beside it are empty.
 
 * The hit is the longest prefix every group serves (:func:`~kvblocks.core.groups.hits.longest_common_hit`):
   full attention its leading run, a local group the blocks its window needs at the hit, a recurrent
@@ -19,21 +19,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from kvblocks.core.groups.cross_group import CrossAttentionGroup, _Cross
+from kvblocks.core.groups.full_group import FullAttentionGroup
 from kvblocks.core.groups.hits import longest_common_hit, longest_group_hit, needed_blocks
 from kvblocks.core.groups.local_group import LocalGroup, LocalGroupManager
 from kvblocks.core.groups.protocol import Ask, GroupCopies, GroupManager
 from kvblocks.core.groups.recurrent_group import RecurrentGroup, StateCopy, _Recurrent
 from kvblocks.core.groups.rules import NEVER
+from kvblocks.core.sequence import _Sequence
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError
 from kvblocks.events import BlockStored, EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.pool import BlockPool
 
 __all__ = ["GroupCoordinator", "split_groups"]
+
+
+class _Deferring(Protocol):
+    def deferred(self, number: int) -> list[list[int]]: ...
+
 
 _ORDER = (LocalGroup, RecurrentGroup, CrossAttentionGroup)
 
@@ -62,34 +68,25 @@ def split_groups(
 
 
 class GroupCoordinator:
-    """Every layer group beside full attention, and the rules that span them; sequences are keyed by
-    ``id(sequence)``."""
+    """Every layer group of a manager -- group 0, full attention (``full``), then the ``groups`` beside it -- and
+    the rules that span them; sequences are keyed by ``id(sequence)``.
+
+    A model of full attention only has one group: the coordinator answers the group queries, and the
+    manager's paths skip the loops over the groups beside it (``groups`` is empty).
+    """
 
     def __init__(
-        self,
-        local_groups: Sequence[LocalGroup],
-        recurrent_groups: Sequence[RecurrentGroup],
-        cross_groups: Sequence[CrossAttentionGroup],
-        *,
-        chain_block_size: int,
-        events: EventSink | None,
+        self, full: FullAttentionGroup, groups: Sequence[object], *, chain_block_size: int, events: EventSink | None
     ) -> None:
-        given = (local_groups, recurrent_groups, cross_groups)
-        if any(isinstance(groups, (str, bytes)) for groups in given):
-            raise ConfigError("local_groups, recurrent_groups and cross_groups must be sequences of groups")
-        locals_: list[LocalGroup] = list(local_groups)
-        recurrents: list[RecurrentGroup] = list(recurrent_groups)
-        crosses: list[CrossAttentionGroup] = list(cross_groups)
-        for groups, kind in ((locals_, LocalGroup), (recurrents, RecurrentGroup), (crosses, CrossAttentionGroup)):
-            if not all(isinstance(g, kind) for g in groups):
-                raise ConfigError(f"a group list holds something other than {kind.__name__} instances")
+        locals_, recurrents, crosses = split_groups(groups)
         size = chain_block_size
+        self.full = full
         self.locals = [LocalGroupManager(g, size, number, events) for number, g in enumerate(locals_, 1)]
         first = 1 + len(locals_)
         self.recurrents = [_Recurrent(g, first + i, size, events) for i, g in enumerate(recurrents)]
         first += len(recurrents)
         self.crosses = [_Cross(g, first + i, size) for i, g in enumerate(crosses)]
-        self.groups: list[GroupManager] = [*self.locals, *self.recurrents, *self.crosses]  # group order
+        self.groups: list[GroupManager] = [*self.locals, *self.recurrents, *self.crosses]  # group order, after 0
         self.committing: list[LocalGroupManager | _Recurrent] = [*self.locals, *self.recurrents]
         self.encoder_tokens: dict[int, int] = {}  # id(sequence) -> encoder tokens, for sequences with any
         self.kinds: tuple[str, ...] = (
@@ -101,7 +98,7 @@ class GroupCoordinator:
         self.checkpoint_step = math.lcm(*(r.step for r in self.recurrents)) if self.recurrents else 0
         self.hit_step = math.lcm(size, *(g.block_size for g in self.locals), *(r.step for r in self.recurrents))
 
-    # ------------------------------------------------------------------ group numbers
+    # ------------------------------------------------------------------ group queries
 
     def number(self, group: object) -> int:
         """``group`` checked: an int in ``[0, number of groups)``."""
@@ -109,44 +106,42 @@ class GroupCoordinator:
             raise ConfigError(f"group must be an int in [0, {len(self.kinds)}), got {group!r}")
         return group
 
-    def recurrent(self, number: int) -> _Recurrent:
+    def recurrent(self, group: object) -> _Recurrent:
+        number = self.number(group)
         if self.kinds[number] != "recurrent":
             raise InvalidArgumentError(f"group {number} is {self.kinds[number]!r}, not recurrent")
         return self.recurrents[number - 1 - len(self.locals)]
 
-    def cross(self, number: int) -> _Cross:
-        return self.crosses[number - 1 - len(self.locals) - len(self.recurrents)]
-
-    def table(self, number: int, key: int) -> list[int]:
-        """Group ``number`` (> 0)'s table of a sequence (a copy; empty when not admitted)."""
+    def table(self, group: object, s: _Sequence) -> list[int]:
+        """Group ``group``'s table of ``s`` (a copy; empty when not admitted); a recurrent group has none."""
+        number = self.number(group)
+        if number == 0:
+            return list(s.table or ())
         if number <= len(self.locals):
-            return list(self.locals[number - 1].tables.get(key, ()))
+            return list(self.locals[number - 1].tables.get(id(s), ()))
         if self.kinds[number] == "cross_attention":
-            return list(self.cross(number).tables.get(key, ()))
+            return list(self.crosses[number - 1 - len(self.locals) - len(self.recurrents)].tables.get(id(s), ()))
         raise InvalidArgumentError(f"group {number} is recurrent: it has a state slot, not a block table")
 
-    def tables(self, key: int) -> list[list[int]]:
-        """Every group's entry after group 0: a table, or a recurrent group's state slot as a one-entry list."""
+    def tables(self, s: _Sequence) -> tuple[list[int], ...]:
+        """Every group's entry: a table, or a recurrent group's state slot as a one-entry list."""
         out = []
-        for number in range(1, len(self.kinds)):
-            if self.kinds[number] == "recurrent":
-                slot = self.recurrent(number).slots.get(key)
+        for number, kind in enumerate(self.kinds):
+            if kind == "recurrent":
+                slot = self.recurrent(number).slots.get(id(s))
                 out.append([] if slot is None else [slot])
             else:
-                out.append(self.table(number, key))
-        return out
+                out.append(self.table(number, s))
+        return tuple(out)
 
-    def pool(self, number: int) -> BlockPool:
-        """Group ``number`` (> 0)'s pool (a recurrent group's holds its checkpoints)."""
-        if number <= len(self.locals):
-            return self.locals[number - 1].pool
-        if self.kinds[number] == "cross_attention":
-            return self.cross(number).pool
-        return self.recurrent(number).pool
+    def pool(self, group: object) -> BlockPool:
+        """Group ``group``'s pool (a recurrent group's holds its checkpoints)."""
+        number = self.number(group)
+        return self.full.pool if number == 0 else self.groups[number - 1].pool  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ the hit every group serves
 
-    def common_hit(self, hashes: Sequence[BlockHash], limit: int, *, tiers: bool = False) -> int:
+    def common_hit(self, hashes: Sequence[BlockHash], limit: int, tiers: bool = False) -> int:
         """The largest hit (tokens) at or below ``limit`` that every group beside full attention serves: from
         device (or, ``tiers``, also from each local group's host and storage tiers)."""
         locals_ = self.locals
@@ -253,13 +248,14 @@ class GroupCoordinator:
     def check_integrity(
         self,
         live: dict[int, tuple[object, int, int]],
-        other_local_holders: Callable[[int, list[int]], None],
         registered: set[int],
+        tiers: _Deferring | None,
     ) -> None:
-        """Every group's own checks. ``live``: id(sequence) -> (sequence id, full-attention table length, the
-        token its windows are placed at) of every admitted sequence; ``registered``: id of every sequence."""
-        for index, local in enumerate(self.locals):
-            local.check_integrity(live, partial(other_local_holders, index))
+        """The checks of every group beside full attention. ``live``: id(sequence) -> (sequence id, full-attention
+        table length, the token its windows are placed at) of every admitted sequence; ``registered``: id of every
+        sequence; ``tiers``: what holds blocks for a copy in flight (their releases are deferred)."""
+        for local in self.locals:
+            local.check_integrity(live, tiers.deferred(local.number) if tiers is not None else ())
         for recurrent in self.recurrents:
             recurrent.check_integrity(set(live))
         encoder = {key: self.encoder_tokens.get(key, 0) for key in live}

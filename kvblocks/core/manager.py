@@ -12,13 +12,13 @@ One sequence, block size 4, a 10-token prompt whose first 8 tokens are cached::
 ``commit`` is the only way a block becomes findable: a block whose KV the engine
 has not reported written is never handed to another sequence.
 
-When two sequences compute the same block at once (both allocated before either
-committed), the first commit makes its block the tree node. The second keeps its
-own copy private -- the engine already wrote KV into it -- and *pins* the node, so
-that the prefix it builds on stays cached while it lives; the private copy goes
-back to the fresh queue when the sequence is freed. A sequence therefore holds a
-reference on every block of its table plus every pinned node, and a holder of a
-node always holds the node's ancestors.
+The manager is one class, composed of parts it owns (:mod:`kvblocks.core`, docs/architecture.md)::
+
+    KVCacheManager      the request registry, validation, the order of calls, counting
+      GroupCoordinator  group 0 (full attention: pool, prefix tree) and the groups beside it, one
+                        group manager per kind; the common hit and two-phase admission over them
+      Tiering           (tiers=) a TierStack per attention group, the step's plans, pending copies
+      a role            (a PrefillManager / DecodeManager facade) the requests moving between nodes
 
 The manager is not thread-safe: call it from the scheduler's thread.
 """
@@ -26,32 +26,26 @@ The manager is not thread-safe: call it from the scheduler's thread.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
-from types import TracebackType
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from kvblocks.accounting import BlockLifetimes, CachedTokens, CacheStats, HitCounters
 from kvblocks.config import CacheConfig, DisaggConfig
-from kvblocks.core.coordinator import GroupCoordinator, split_groups
-from kvblocks.core.groups.cross_group import _Cross
-from kvblocks.core.groups.hits import longest_common_hit, needed_blocks
-from kvblocks.core.groups.local_group import LocalGroupManager
+from kvblocks.core.coordinator import GroupCoordinator
+from kvblocks.core.groups.full_group import FullAttentionGroup
 from kvblocks.core.groups.protocol import Ask, GroupCopies
-from kvblocks.core.groups.recurrent_group import StateCopy, _Recurrent
-from kvblocks.core.groups.sources import take_blocks
-from kvblocks.core.integrity import check_manager_integrity, check_release_order
+from kvblocks.core.manager_groups import GroupCalls
+from kvblocks.core.manager_tiers import TierCalls
 from kvblocks.core.role import Role, RoleFactory
 from kvblocks.core.sequence import _FREED_MEMORY, _NEVER, BlockTable
 from kvblocks.core.sequence import _count_arg as _count_arg  # re-exported
 from kvblocks.core.sequence import _Sequence as _Sequence  # re-exported
 from kvblocks.core.step import run_step
-from kvblocks.core.timed_tree import _TimedTree
 from kvblocks.errors import (
     CommitOutOfRangeError,
     ConfigError,
     DoubleFreeError,
     DuplicateSequenceError,
-    IntegrityError,
     InvalidArgumentError,
     InvalidTokenError,
     SequenceStateError,
@@ -72,20 +66,21 @@ from kvblocks.hashing import (
 from kvblocks.pool import BlockPool
 from kvblocks.radix import PrefixTree
 from kvblocks.tiers.config import TierConfig
-from kvblocks.tiers.host import HostTier
-from kvblocks.tiers.pending import TierStats, _Admission, _Pending
-from kvblocks.tiers.stack import TierStack
-from kvblocks.tiers.storage_tier import StorageTier
 from kvblocks.tiers.tiering import Tiering
-from kvblocks.tiers.transfers import AdmittedTable, LoadResult, TransferPlan
+from kvblocks.tiers.transfers import AdmittedTable
 
 __all__ = ["BlockTable", "KVCacheManager"]
 
 _M = TypeVar("_M", bound="KVCacheManager")
+_Hit = tuple[int, list[int], list[int], int]
+"""An admission's hit: (chain blocks, group 0's device blocks, its host blocks after them, its storage loads)."""
+_Beside = tuple[Ask, list[tuple[int, Any] | None]]
+"""The other groups' part of an admission: what they were asked, and their answers."""
+_NO_BLOCKS: list[int] = []  # the host blocks of an untiered hit (never changed)
 
 
-class KVCacheManager:
-    """Prefix-caching block manager for one tier of device blocks.
+class KVCacheManager(GroupCalls, TierCalls):
+    """Prefix-caching block manager: the one manager of every combination of layer groups, tiers and roles.
 
     >>> m = KVCacheManager(num_blocks=8, block_size=4)
     >>> m.add_sequence("a", list(range(10)))
@@ -98,13 +93,16 @@ class KVCacheManager:
     >>> m.add_sequence("b", list(range(10)) + [99])
     >>> m.lookup("b").device                      # b shares a's two full blocks
     8
+
+    Its group calls (:class:`~kvblocks.core.manager_groups.GroupCalls`) and tier calls
+    (:class:`~kvblocks.core.manager_tiers.TierCalls`) are kept in modules of their own.
     """
 
     role: ClassVar[str] = "mixed"
     """The node's role in prefill/decode disaggregation (see :mod:`kvblocks.disagg`)."""
 
     _role_component: ClassVar[RoleFactory | None] = None
-    """What a role facade's managers own: its role's component, built from the manager and its configuration."""
+    """A role facade's role: its component, built from the manager and its configuration."""
 
     def __init__(
         self,
@@ -165,50 +163,39 @@ class KVCacheManager:
     ) -> None:
         if not isinstance(config, CacheConfig):
             raise InvalidArgumentError(f"config must be a CacheConfig, got {type(config).__name__}")
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+            raise ConfigError(f"groups must be a sequence of layer groups, got {type(groups).__name__}")
         self.config = config
         self._block_size = config.block_size
         self._caching = config.enable_prefix_caching
         self._reserve = config.reserved_blocks
         self._drop_last = config.drop_last_matched_block
         self._hasher = BlockHasher(config.block_size, config.hash_scheme, config.namespace)
-        self._pool = BlockPool(config.num_blocks, eviction=config.eviction)
-        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
-            raise ConfigError(f"groups must be a sequence of layer groups, got {type(groups).__name__}")
-        group, kind = (0, "full") if groups else (None, None)  # a hybrid manager tags every group's events
-        self._tree = _TimedTree(
-            self._pool, events=event_sink, group=group, group_kind=kind, block_size=config.block_size
+        tag = (0, "full") if groups else (None, None)  # a hybrid manager tags every group's events
+        full = FullAttentionGroup(config, event_sink, tag)
+        self._full = full
+        self._pool = full.pool  # the hot paths read group 0's pool and tree directly
+        self._tree = full.tree
+        self._groups = GroupCoordinator(full, groups, chain_block_size=config.block_size, events=event_sink)
+        self._beside = self._groups if self._groups.groups else None  # None: no group beside full attention
+        self._locals, self._recurrents, self._crosses = (
+            self._groups.locals,
+            self._groups.recurrents,
+            self._groups.crosses,
         )
         self._seqs: dict[Hashable, _Sequence] = {}
         self._freed: OrderedDict[Hashable, None] = OrderedDict()
         self._counters = HitCounters()
-        self._coordinator: GroupCoordinator | None = None  # the layer groups beside full attention, if any
-        self._locals: list[LocalGroupManager] = []
-        self._recurrents: list[_Recurrent] = []
-        self._crosses: list[_Cross] = []
-        self._encoder_tokens: dict[int, int] = {}  # id(_Sequence) -> encoder tokens, for sequences with any
-        if groups:
-            coordinator = GroupCoordinator(*split_groups(groups), chain_block_size=config.block_size, events=event_sink)
-            self._coordinator = coordinator
-            self._locals, self._recurrents = coordinator.locals, coordinator.recurrents
-            self._crosses = coordinator.crosses
-            self._encoder_tokens = coordinator.encoder_tokens
         self.tiers = tiers
         """The host and storage tiers' configuration (None: device blocks only)."""
         self._tiers: Tiering | None = None
-        self._stack0: TierStack | None = None  # group 0's tiers
         if tiers is not None:
-            if self._recurrents:
-                raise ConfigError(
-                    "tiers serve attention groups only: recurrent groups have no host or storage tier yet"
-                )
-            if self._crosses:
-                raise ConfigError(
-                    "tiers serve sliding-window and chunked-local groups; cross-attention groups have none"
-                )
+            if self._recurrents or self._crosses:
+                raise ConfigError("tiers serve attention groups: recurrent and cross-attention groups have none")
             for local in self._locals:
                 local.require_block_per_position("a tiered manager")
-            self._tiers = Tiering(tiers, config, self._pool, self._locals, events=event_sink, tag=(group, kind))
-            self._stack0 = self._tiers.stacks[0]
+            self._tiers = Tiering(tiers, config, full.pool, self._locals, events=event_sink, tag=tag)
+            full.tiers = self._tiers.stacks[0]
         disagg = DisaggConfig(role=self.role) if disagg is None else disagg
         if not isinstance(disagg, DisaggConfig):
             raise ConfigError(f"disagg must be a DisaggConfig, got {type(disagg).__name__}")
@@ -240,12 +227,12 @@ class KVCacheManager:
 
     @property
     def pool(self) -> BlockPool:
-        """The block pool (read it; change it only through the manager)."""
+        """Group 0's block pool (read it; change it only through the manager)."""
         return self._pool
 
     @property
     def tree(self) -> PrefixTree:
-        """The prefix tree (read it; change it only through the manager)."""
+        """Group 0's prefix tree (read it; change it only through the manager)."""
         return self._tree
 
     def __contains__(self, seq_id: object) -> bool:
@@ -286,30 +273,9 @@ class KVCacheManager:
         if extras is not None:
             s.lora_name = extras.lora
         self._freed.pop(seq_id, None)
-        if self._tiers is not None and self._caching and not s.skip_read:
-            self._probe(seq_id, s)
-
-    def _probe(self, seq_id: Hashable, s: _Sequence) -> None:
-        """Ask each group's storage (off-thread) which of the new sequence's blocks it holds, beyond what the
-        group holds on device (and, for a local group, in its host tier)."""
-        tiers: Tiering = self._tiers  # type: ignore[assignment]  # the caller checked
-        hashes = s.content.hashes
-        limit = self._cacheable_blocks(s.content.num_tokens)
-        start = self._match_length(s)
-        if start < limit:
-            tiers.probe(seq_id, 0, hashes[start:limit])
-        for local in self._locals:
-            stack = local.tiers
-            if stack is None or stack.storage is None:
-                continue
-            keys = local.keys(hashes)
-            host = stack.host
-            unknown = [
-                key
-                for key in (keys[p] for p in range(limit // local.ratio))
-                if local.index.block_of(key) is None and (host is None or key not in host)
-            ]
-            tiers.probe(seq_id, local.number, unknown)
+        tiers = self._tiers
+        if tiers is not None and self._caching and not skip_cache_read:  # which blocks does storage hold?
+            tiers.probe(seq_id, content.hashes, self._match_length(s), self._cacheable_blocks(content.num_tokens))
 
     def _content(
         self,
@@ -368,7 +334,8 @@ class KVCacheManager:
         if self._tiers is None:
             return CachedTokens(device=self._match_length(s) * size, num_prompt_tokens=s.content.num_tokens)
         _, device, host, loads = self._tier_hit(s, None, None)
-        return CachedTokens(len(device) * size, len(host) * size, loads * size, num_prompt_tokens=s.content.num_tokens)
+        prompt = s.content.num_tokens
+        return CachedTokens(len(device) * size, len(host) * size, loads * size, num_prompt_tokens=prompt)
 
     def blocks_short(self, seq_id: Hashable, num_new_tokens: int, *, num_lookahead_tokens: int = 0) -> int:
         """How many blocks ``allocate(seq_id, num_new_tokens, ...)`` would lack now (0: it would succeed), the most
@@ -384,7 +351,7 @@ class KVCacheManager:
         size = self._block_size
         total = (s.num_covered + n + k + size - 1) // size
         short = total - len(s.table) - self._pool.num_free
-        groups = self._coordinator
+        groups = self._beside
         return max(0, short, groups.growth_short(id(s), total)) if groups is not None else max(0, short)
 
     def can_allocate(self, seq_id: Hashable, num_new_tokens: int, *, num_lookahead_tokens: int = 0) -> bool:
@@ -395,123 +362,6 @@ class KVCacheManager:
         """The sequence's block table (empty when it is not admitted)."""
         view = self._get(seq_id).view
         return view if view is not None else BlockTable([])
-
-    def block_tables(self, seq_id: Hashable) -> tuple[list[int], ...]:
-        """One entry per layer group, group 0 first (copies; empty lists when not admitted): an attention group's
-        table (a local group's holds PLACEHOLDER where released), a recurrent group's running state slot as a
-        one-entry list. A manager of full attention only has one group, whose table is :meth:`block_table`'s."""
-        s = self._get(seq_id)
-        first = list(s.table or ())
-        groups = self._coordinator
-        return (first,) if groups is None else (first, *groups.tables(id(s)))
-
-    def group_block_table(self, seq_id: Hashable, group: int) -> list[int]:
-        """Group ``group``'s table of ``seq_id`` (a copy; 0: the full-attention table); PLACEHOLDER where a local
-        group released a position. A recurrent group has no table (:meth:`state_slot` is its per-sequence state)."""
-        s = self._get(seq_id)
-        number = self._group(group)
-        if number == 0:
-            return list(s.table or ())
-        return self._coordinator.table(number, id(s))  # type: ignore[union-attr]  # number > 0: there are groups
-
-    def group_pool(self, group: int) -> BlockPool:
-        """The block pool of group ``group``: group 0's is :attr:`pool`; a recurrent group's holds its checkpoints."""
-        number = self._group(group)
-        return self._pool if number == 0 else self._coordinator.pool(number)  # type: ignore[union-attr]
-
-    @property
-    def num_groups(self) -> int:
-        """Groups of layers: full attention (0), then the local, recurrent and cross-attention groups."""
-        groups = self._coordinator
-        return 1 if groups is None else len(groups.kinds)
-
-    @property
-    def group_kinds(self) -> tuple[str, ...]:
-        """Each group's kind, by group index."""
-        groups = self._coordinator
-        return ("full",) if groups is None else groups.kinds
-
-    @property
-    def hit_step(self) -> int:
-        """Every hit is a multiple of this many tokens: each group's block size and checkpoint spacing divide it."""
-        groups = self._coordinator
-        return self._block_size if groups is None else groups.hit_step
-
-    def _group(self, group: object) -> int:
-        groups = self._coordinator
-        if groups is None:
-            if isinstance(group, bool) or group != 0 or type(group) is not int:
-                raise ConfigError(f"group must be an int in [0, 1), got {group!r}")
-            return 0
-        return groups.number(group)
-
-    def set_encoder_tokens(self, seq_id: Hashable, num_encoder_tokens: int) -> None:
-        """How many encoder outputs ``seq_id``'s cross-attention layers attend to (0 by default).
-
-        Give it before the admission: the cross-attention groups take their blocks then.
-        """
-        s = self._get(seq_id)
-        count = _count_arg(num_encoder_tokens, "num_encoder_tokens")
-        if s.table is not None:
-            raise SequenceStateError(f"sequence {seq_id!r} is admitted: its encoder tokens are fixed until it leaves")
-        if not self._crosses and count:
-            raise InvalidArgumentError("this manager has no cross-attention group")
-        if count:
-            self._encoder_tokens[id(s)] = count
-        else:
-            self._encoder_tokens.pop(id(s), None)
-
-    def state_slot(self, seq_id: Hashable, group: int) -> int:
-        """The running state id of admitted ``seq_id`` in recurrent group ``group`` (what its forward pass updates)."""
-        s = self._get(seq_id)
-        slot = self._recurrent(group).slots.get(id(s))
-        if slot is None:
-            raise InvalidArgumentError(f"sequence {seq_id!r} is not admitted: it has no state slot")
-        return slot
-
-    def num_state_slots(self, group: int) -> int:
-        """Running slots of recurrent group ``group``; its state ids ``num_state_slots(g) + c`` are checkpoints."""
-        return self._recurrent(group).num_slots
-
-    def _recurrent(self, group: object) -> _Recurrent:
-        number = self._group(group)
-        if self._coordinator is None or number == 0:
-            raise InvalidArgumentError(f"group {number} is 'full', not recurrent")
-        return self._coordinator.recurrent(number)
-
-    def next_checkpoint(self, seq_id: Hashable) -> int | None:
-        """The first token count after ``seq_id``'s committed line at which every recurrent group checkpoints.
-
-        A scheduler that ends a prefill chunk there gets the prompt's state cached (a commit elsewhere
-        takes no checkpoint). None without recurrent groups.
-        """
-        s = self._get(seq_id)
-        step = self._coordinator.checkpoint_step if self._coordinator is not None else 0
-        return (s.num_committed // step + 1) * step if step else None
-
-    def take_state_plan(self) -> list[StateCopy]:
-        """The state operations planned since the last call, to run in order before the next forward pass.
-
-        Call it once per step, after the scheduling calls and before the forward pass, and run what it
-        returns first: calling it again is what tells the manager the previous plan has run, so the
-        checkpoints that plan saved become findable then (never earlier). See :mod:`kvblocks.hybrid.recurrent`.
-        """
-        return self._coordinator.take_state_plan() if self._coordinator is not None else []
-
-    def state_plan_done(self) -> None:
-        """Say that the plan :meth:`take_state_plan` handed out last has run, so that its checkpoints are
-        findable at once (the next :meth:`take_state_plan` says it too; calling both is harmless).
-
-        Without this call a checkpoint saved by the plan of step ``t`` is first findable by the admissions
-        after the next ``take_state_plan``: a step later than it could be.
-        """
-        if self._coordinator is not None:
-            self._coordinator.state_plan_done()
-
-    @property
-    def checkpoints_skipped(self) -> int:
-        """Checkpoints not taken because every checkpoint of the group was being written or restored from."""
-        return sum(r.skipped for r in self._recurrents)
 
     def num_tokens(self, seq_id: Hashable) -> int:
         return self._get(seq_id).content.num_tokens
@@ -584,10 +434,11 @@ class KVCacheManager:
             raise InvalidArgumentError(
                 f"num_cached_tokens must be a multiple of the block size {self._block_size}, got {tokens}"
             )
-        if self._coordinator is not None and tokens % self._coordinator.hit_step:
+        step = self._groups.hit_step
+        if tokens % step:
             raise InvalidArgumentError(
-                f"num_cached_tokens must be a multiple of {self._coordinator.hit_step} (every group's block boundary "
-                f"and checkpoint spacing), got {tokens}"
+                f"num_cached_tokens must be a multiple of {step} (every group's block boundary and checkpoint "
+                f"spacing), got {tokens}"
             )
         return tokens // self._block_size
 
@@ -614,23 +465,25 @@ class KVCacheManager:
         if need > 0:
             if not self._room_to_grow(s, need):
                 return False
-            table += self._take(need)
+            table += self._full.take(need)
         elif need < 0:
             surplus = table[need:]
             del table[need:]
             self._pool._release_valid(reversed(surplus))
         s.num_covered = covered
         s.lookahead = lookahead
-        if self._coordinator is not None and need:
-            self._coordinator.resize(id(s), len(table))
+        if self._beside is not None and need:
+            self._beside.resize(id(s), len(table))
         return True
 
     def _room_to_grow(self, s: _Sequence, need: int) -> bool:
         """Whether admitted ``s`` may take ``need`` more blocks now, in every layer group. Pure."""
         if need > self._pool.num_free:
             return False
-        groups = self._coordinator
+        groups = self._beside
         return groups is None or groups.growth_short(id(s), len(s.table) + need) <= 0  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ admission
 
     def _admit(self, seq_id: Hashable, s: _Sequence, n: int, k: int, expected: int | None) -> BlockTable | None:
         """The admission of ``s``: every group keeps its cached blocks, copies in what its tiers hold and takes
@@ -640,9 +493,7 @@ class KVCacheManager:
         short, beside = self._prepare(s, hit, n, k, True)
         if beside is not None and None in beside[1]:  # only when the caller named a shorter hit than every group serves
             tokens = hit[0] * self._block_size
-            raise StaleLookupError(
-                f"sequence {seq_id!r}: a group no longer holds what the {tokens}-token hit seen needs"
-            )
+            raise StaleLookupError(f"sequence {seq_id!r}: a group no longer holds what the {tokens}-token hit needs")
         if short > 0:
             return None
         copies = self._take_admission(s, hit, n, k, beside)
@@ -656,17 +507,16 @@ class KVCacheManager:
     def _hit(self, seq_id: Hashable, s: _Sequence, expected: int | None) -> _Hit:
         """The hit an admission of ``s`` takes now (``expected``: exactly that many blocks, the caller's lookup):
         (blocks, group 0's device blocks, its host blocks after them, its storage loads after those). Pure."""
-        if self._tiers is None:
-            matched = self._match(s)
-            if expected is not None:
-                self._check_expected(seq_id, expected, len(matched))
-                del matched[expected:]
-            return len(matched), matched, _NO_BLOCKS, 0
-        return self._tier_hit(s, seq_id, expected)
+        if self._tiers is not None:
+            return self._tier_hit(s, seq_id, expected)
+        matched = self._match(s)
+        if expected is not None:
+            self._check_expected(seq_id, expected, len(matched))
+            del matched[expected:]
+        return len(matched), matched, _NO_BLOCKS, 0
 
     def _tier_hit(self, s: _Sequence, seq_id: Hashable, expected: int | None) -> _Hit:
-        """:meth:`_hit` through tiers: the hit every group serves from device or its tiers, group 0's device
-        blocks within it, its host blocks after those, its storage loads after those. Pure; no I/O."""
+        """:meth:`_hit` through tiers: the hit every group serves from device or its tiers. Pure; no I/O."""
         if not self._caching or s.skip_read:
             return 0, [], _NO_BLOCKS, 0
         content = s.content
@@ -674,12 +524,12 @@ class KVCacheManager:
         limit = self._cacheable_blocks(content.num_tokens)
         matched = self._tree.matched_blocks(hashes, limit)
         device = len(matched)
-        stack: TierStack = self._stack0  # type: ignore[assignment]  # a tiered manager's
+        stack = self._tiers.stacks[0]  # type: ignore[union-attr]  # the caller checked
         host = stack.host_run(hashes, device, limit)
         hit = device + len(host)
         hit += stack.stored_run(hashes, hit, limit)
-        if self._coordinator is not None:
-            hit = self._hit_within(hashes, hit, tiers=True)
+        if self._beside is not None:
+            hit = self._hit_within(hashes, hit, True)
         elif hit and self._drop_last:
             hit -= 1
         if expected is not None:
@@ -711,11 +561,11 @@ class KVCacheManager:
         total = (hits * size + n + k + size - 1) // size
         pool = self._pool
         short = total - len(matched) + reserve - (pool.num_free - pool.count_idle(matched) - self._reserve)
-        groups = self._coordinator
+        groups = self._beside
         if groups is None or (admitting and short > 0):
             return short, None
         tokens = hits * size
-        encoder = self._encoder_tokens.get(id(s), 0) if self._crosses else 0
+        encoder = groups.encoder_tokens.get(id(s), 0) if self._crosses else 0
         window = tokens if window_token is None else window_token
         ask = Ask(s.content.hashes, hits, total, tokens, window, encoder, reserve, s.content.num_tokens, tokens + n)
         answers = groups.answers(ask, remotes)
@@ -731,23 +581,23 @@ class KVCacheManager:
         table covers the hit, ``n`` new tokens and ``k`` drafts. Returns the other groups' copies."""
         hits, matched, host, _ = hit
         size = self._block_size
-        copies = self._coordinator.take(id(s), *beside) if beside is not None else ()  # type: ignore[union-attr]
+        copies = self._beside.take(id(s), *beside) if beside is not None else ()  # type: ignore[union-attr]
         device = len(matched)
         covered = hits * size + n
         need = (covered + k + size - 1) // size - device
         if device:
             self._pool._acquire_valid(matched)  # nodes the tree just matched: valid by construction
         if host:
-            self._stack0.host.acquire(host)  # type: ignore[union-attr]  # before an eviction can write back into it
+            self._tiers.stacks[0].host.acquire(host)  # type: ignore[union-attr]  # before an eviction writes back
         if need:
-            matched += self._take(need)
+            matched += self._full.take(need)
         s.table = matched
         s.view = BlockTable(matched, hits * size)
         s.num_covered = covered
         s.lookahead = k
         s.num_committed = device * size
         if beside is not None:
-            s.watch = self._coordinator.next_move(hits * size)  # type: ignore[union-attr]
+            s.watch = self._groups.next_move(hits * size)
         return copies
 
     def _pend(self, seq_id: Hashable, s: _Sequence, hit: _Hit, copies: Sequence[GroupCopies | None]) -> AdmittedTable:
@@ -777,10 +627,7 @@ class KVCacheManager:
             )
 
     def _admitted(self, seq_id: Hashable, cached: CachedTokens, readmission: bool) -> None:
-        """An admission's hits are final (at once here; once its copies settle with tiers): count them.
-
-        The one place admissions are counted, so a role can also keep the figure per request.
-        """
+        """An admission's hits are final (at once, or once its copies settle): the one place they are counted."""
         self._counters.record(cached, readmission=readmission)
         if self._role is not None:
             self._role.admitted(seq_id, cached)
@@ -795,22 +642,23 @@ class KVCacheManager:
             return 0
         content = s.content
         found = self._tree.match_length(content.hashes, self._cacheable_blocks(content.num_tokens))
-        if self._coordinator is not None:
+        if self._beside is not None:
             return self._hit_within(content.hashes, found)
         return found - 1 if found and self._drop_last else found
 
     def _match(self, s: _Sequence) -> list[int]:
+        """Group 0's blocks of the device hit of ``s`` (:meth:`_match_length` of them). Pure."""
         if not self._caching or s.skip_read:
             return []
         content = s.content
         matched = self._tree.matched_blocks(content.hashes, self._cacheable_blocks(content.num_tokens))
-        if self._coordinator is not None:
+        if self._beside is not None:
             del matched[self._hit_within(content.hashes, len(matched)) :]  # one walk of the tree, not two
         elif matched and self._drop_last:
             matched.pop()
         return matched
 
-    def _hit_within(self, hashes: Sequence[BlockHash], run: int, *, tiers: bool = False) -> int:
+    def _hit_within(self, hashes: Sequence[BlockHash], run: int, tiers: bool = False) -> int:
         """The hit (blocks) every group serves within full attention's leading ``run`` of cached blocks (from
         device, or ``tiers``: also from each group's tiers). Pure.
 
@@ -820,18 +668,13 @@ class KVCacheManager:
         if not run:
             return 0
         size = self._block_size
-        groups: GroupCoordinator = self._coordinator  # type: ignore[assignment]  # callers checked
-        hit = groups.common_hit(hashes, run * size, tiers=tiers)
+        groups = self._groups
+        hit = groups.common_hit(hashes, run * size, tiers)
         if hit and self._drop_last:
-            hit = groups.common_hit(hashes, hit - size, tiers=tiers)
+            hit = groups.common_hit(hashes, hit - size, tiers)
         return hit // size
 
-    def _take(self, count: int) -> list[int]:
-        """``count`` fresh blocks of group 0, evicting idle leaves (written back when it has tiers)."""
-        pool = self._pool
-        if count <= pool.num_fresh:  # the common case: no eviction
-            return pool.take_fresh(count)
-        return take_blocks(pool, self._tree, self._stack0, count)
+    # ------------------------------------------------------------------ commit and the batched step
 
     def commit(self, seq_id: Hashable, num_computed_tokens: int) -> None:
         """Report that the first ``num_computed_tokens`` tokens' KV is written.
@@ -863,54 +706,27 @@ class KVCacheManager:
             )
 
     def _idle_duplicates(self, s: _Sequence, start: int, stop: int) -> int:
-        """Cached blocks that committing blocks ``[start, stop)`` of ``s`` would pin while they are idle.
-
-        Pinning one takes it out of the free supply, so a step counts them before it commits.
-        """
-        if not self._caching or stop <= start:
-            return 0
-        hashes = s.content.hashes
-        table = s.table
-        block_of = self._tree.block_of
-        ref = self._pool._ref
-        count = 0
-        for position in range(start, stop):
-            node = block_of(hashes[position])
-            if node is not None and node != table[position] and not ref[node]:  # type: ignore[index]
-                count += 1
-        return count
+        """Cached blocks that committing blocks ``[start, stop)`` of ``s`` would pin while they are idle."""
+        return self._full.idle_duplicates(s, start, stop)
 
     def _commit(self, s: _Sequence, n: int) -> None:
-        """Commit a checked ``n``: blocks newly below the line enter the tree."""
+        """Commit a checked ``n``: blocks newly below the line enter every group's index."""
         # Blocks fully below the old line are already in the tree (inserted, hit or pinned);
         # those newly below the new line go in now.
         size = self._block_size
         start = s.num_committed // size
         full = n // size
-        if full > start and self._caching:
-            tree = self._tree
-            content = s.content
-            # The tree's events name the blocks' tokens (package-private). stable: a sequence's hashes and
-            # tokens only grow (HashedTokens.truncate replaces them), so its events read them when built.
-            tokens = content._tokens if tree._events is not None and isinstance(content, HashedTokens) else None
-            table: list[int] = s.table  # type: ignore[assignment]  # admitted: checked by the caller
-            lora = s.lora_name
-            existing = tree.insert(content.hashes, table, start, full, tokens=tokens, lora_name=lora, stable=True)
-            if existing:
-                self._pin_duplicates(s, start, existing)
+        cache = full > start and self._caching
+        if cache:
+            self._full.cache(s, start, full)
         before = s.num_committed
         s.num_committed = n
         if n > s.num_covered:  # accepted drafts, committed in lookahead slots: they are allocated tokens now
             s.lookahead -= n - s.num_covered
             s.num_covered = n
-        stack = self._stack0
-        if full > start and stack is not None and stack.writes_through and self._caching:
-            stack.written(self._tree.block_of, s.content.hashes, start, full)  # write-through, group 0
-        groups = self._coordinator
+        groups = self._beside
         if groups is not None:
-            s.watch = groups.committed(id(s), s.content.hashes, before, n, full > start and self._caching)
-
-    # ------------------------------------------------------------------ the batched step
+            s.watch = groups.committed(id(s), s.content.hashes, before, n, cache)
 
     def step(
         self,
@@ -941,16 +757,7 @@ class KVCacheManager:
         """
         return run_step(self, seq_ids, num_computed_tokens, new_token_ids, num_new_tokens, num_lookahead_tokens)
 
-    def _pin_duplicates(self, s: _Sequence, start: int, existing: list[int]) -> None:
-        table = s.table
-        pins = s.pins if s.pins is not None else {}
-        nodes = []
-        for position, node in enumerate(existing, start):
-            if node != table[position]:  # type: ignore[index]
-                pins[position] = node
-                nodes.append(node)
-        self._pool.acquire(nodes)
-        s.pins = pins
+    # ------------------------------------------------------------------ leaving
 
     def free(self, seq_id: Hashable) -> None:
         """Release the sequence's blocks (tail first) and forget it."""
@@ -964,7 +771,7 @@ class KVCacheManager:
             raise UnknownSequenceError(seq_id) from None
         self._release(s)
         if self._crosses:
-            self._encoder_tokens.pop(id(s), None)
+            self._groups.encoder_tokens.pop(id(s), None)
         if self._tiers is not None:
             self._tiers.probes.pop(seq_id, None)
         if self._role is not None:
@@ -986,7 +793,7 @@ class KVCacheManager:
             raise SequenceStateError(f"sequence {seq_id!r} is not admitted; there is nothing to preempt")
         tiers = self._tiers
         if tiers is not None and tiers.save_on_preempt and id(s) not in tiers.admissions and self._caching:
-            self._save_before_preempt(s)
+            tiers.save_before_preempt(s, self._block_size)
         try:
             self._release(s)
         finally:
@@ -995,74 +802,40 @@ class KVCacheManager:
         s.preempted = True
         self._counters.preemptions += 1
 
-    def _save_before_preempt(self, s: _Sequence) -> None:
-        """Queue the committed blocks of ``s`` for storage; if any is, its release waits for the open plan."""
-        stack: TierStack = self._stack0  # type: ignore[assignment]  # tiered
-        pins = s.pins or {}
-        table: list[int] = s.table  # type: ignore[assignment]  # admitted
-        hashes = s.content.hashes
-        saving = False
-        for position in range(s.num_committed // self._block_size):
-            saving |= stack.plan_save("device", pins.get(position, table[position]), hashes[position])
-        if saving:
-            self._tiers.hold_for = s  # type: ignore[union-attr]
-
     def _release(self, s: _Sequence) -> None:
         if s.table is None:
             return
         tiers = self._tiers
         if tiers is None:
-            if self._coordinator is not None:
-                self._coordinator.release(id(s))
-            self._pool._release_valid(self._release_order(s))  # the manager's own table: valid by construction
+            if self._beside is not None:
+                self._beside.release(id(s))
+            self._full.release(s)
         else:  # a copy in flight into its blocks, or a save of them, holds their release until its plan completes
             admission, copying = tiers.leave(s)
             if admission is not None:  # its hits are final now: what was on device
                 cached = CachedTokens(admission.device * self._block_size, num_prompt_tokens=s.content.num_tokens)
                 self._admitted(admission.seq_id, cached, admission.readmission)
-            if self._coordinator is not None:
-                self._coordinator.release(id(s), [part.deferred for part in copying.groups[1:]] if copying else ())
+            if self._beside is not None:
+                self._beside.release(id(s), [part.deferred for part in copying.groups[1:]] if copying else ())
             held = copying or (tiers.open if tiers.hold_for is s else None)
-            if held is None:
-                self._pool._release_valid(self._release_order(s))
-            else:
-                held.groups[0].deferred.append(list(self._release_order(s)))
-        self._clear_table(s)
-
-    @staticmethod
-    def _release_order(s: _Sequence) -> Iterable[int]:
-        """The sequence's references, tail first (a pinned node right before its private copy's position)."""
-        table = s.table
-        if table is None:
-            return ()
-        pins = s.pins
-        if not pins:
-            return reversed(table)
-        order = []
-        for position in range(len(table) - 1, -1, -1):
-            pinned = pins.get(position)
-            if pinned is not None:
-                order.append(pinned)
-            order.append(table[position])
-        return order
-
-    @staticmethod
-    def _clear_table(s: _Sequence) -> None:
+            self._full.release(s, held.groups[0].deferred if held is not None else None)
         s.table = None
         s.view = None
         s.pins = None
         s.num_covered = s.num_committed = s.lookahead = 0
         s.watch = _NEVER
 
+    # ------------------------------------------------------------------ the cache as a whole
+
     def snapshot_events(self) -> list[BlockStored]:
         """The cache's contents as ``BlockStored`` events, parents first (``EventPublisher(snapshot=...)``). Pure.
 
         Every layer group's cached blocks are tagged with the group (a local group records chain parents only
-        with an event sink); the tiered managers add their tiers' contents.
+        with an event sink), then every tier's contents.
         """
         events = self._tree.snapshot_events()
-        if self._coordinator is not None:
-            events += self._coordinator.snapshot_events()
+        if self._beside is not None:
+            events += self._beside.snapshot_events()
         if self._tiers is not None:
             events += self._tiers.snapshot_events()
         return events
@@ -1070,227 +843,15 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (after a weight update, say), the host tiers' too. Refused (False) while any
         block is in use or copies are pending."""
-        groups = self._coordinator
+        groups = self._groups
         tiers = self._tiers
-        if tiers is not None and tiers.busy:
-            return False
-        if self._pool.num_in_use or (groups is not None and groups.busy):  # a state plan's checkpoint would return
-            return False
+        if (tiers is not None and tiers.busy) or self._pool.num_in_use or groups.busy:
+            return False  # (a state plan's checkpoint would come back)
         self._tree.clear()
-        if groups is not None:
-            groups.clear()
+        groups.clear()
         if tiers is not None:
             tiers.clear_hosts()
         return True
-
-    # ------------------------------------------------------------------ tiers: copies between device, host, storage
-
-    @property
-    def host(self) -> HostTier | None:
-        """Group 0's host tier (read it; change it only through the manager); None without one."""
-        return self._stack0.host if self._stack0 is not None else None
-
-    @property
-    def storage(self) -> StorageTier | None:
-        """Group 0's storage tier; None without one."""
-        return self._stack0.storage if self._stack0 is not None else None
-
-    def group_host(self, group: int) -> HostTier | None:
-        """Group ``group``'s host tier (0: :attr:`host`); read it, change it only through the manager."""
-        number = self._group(group)
-        return self._tiers.stacks[number].host if self._tiers is not None and number < len(self._tiers.stacks) else None
-
-    def group_storage(self, group: int) -> StorageTier | None:
-        """Group ``group``'s storage tier (0: :attr:`storage`); a local group's has keys and a format of its own."""
-        number = self._group(group)
-        tiers = self._tiers
-        return tiers.stacks[number].storage if tiers is not None and number < len(tiers.stacks) else None
-
-    def is_ready(self, seq_id: Hashable) -> bool:
-        """Whether the sequence has no copies pending (it may run and commit)."""
-        s = self._get(seq_id)
-        return self._tiers is None or id(s) not in self._tiers.admissions
-
-    @property
-    def num_pending_admissions(self) -> int:
-        return len(self._tiers.admissions) if self._tiers is not None else 0
-
-    @property
-    def num_pending_loads(self) -> int:
-        """Storage reads of every group not yet reported by :meth:`poll_loads`."""
-        return self._tiers.num_pending_loads if self._tiers is not None else 0
-
-    def is_storage_check_pending(self, seq_id: Hashable) -> bool:
-        """Whether a storage check :meth:`add_sequence` queued for ``seq_id``, in any group, is unanswered. Pure.
-
-        A sequence registered and admitted in the same step sees no storage hits from that check
-        (``lookup`` never waits on I/O). An engine that prefers storage hits to recomputing can leave such a
-        sequence waiting a step or two while this is True; a dropped probe (a full queue) or a check already
-        answered is False.
-        """
-        self._get(seq_id)
-        return self._tiers is not None and self._tiers.is_storage_check_pending(seq_id)
-
-    def take_transfers(self) -> TransferPlan:
-        """The copies this step's scheduling calls planned, one :class:`GroupTransfers` per group; run them in
-        order, then :meth:`complete_transfers` (see :mod:`kvblocks.tiers.tiering`). Empty without tiers."""
-        if self._tiers is None:
-            return TransferPlan(0, ())
-        return self._tiers.take_transfers()
-
-    def complete_transfers(
-        self,
-        plan: TransferPlan,
-        *,
-        saved: Mapping[int, Sequence[object]] | Sequence[object] | None = None,
-        failed_swap_ins: Mapping[int, Collection[int]] | Collection[int] = (),
-        failed_swap_outs: Mapping[int, Collection[int]] | Collection[int] = (),
-        saved_groups: Mapping[int, Sequence[object]] | None = None,
-        failed_group_swap_ins: Mapping[int, Collection[int]] | None = None,
-        failed_group_swap_outs: Mapping[int, Collection[int]] | None = None,
-    ) -> None:
-        """Report that ``plan`` ran. Each argument maps a group to its figures (``{0: ...}`` for one group).
-
-        ``saved[g]`` holds the payload of each of ``plan.group_transfers[g].saves`` (one bytes-like per block,
-        or one per rank): they are queued for storage; without it the saves are dropped and counted.
-        ``failed_swap_ins[g]`` / ``failed_swap_outs[g]`` name group ``g``'s device / host blocks whose copy
-        failed: a failed swap-in leaves its host block a host hit, and the admission's hit is cut back to the
-        longest one every group still serves with what landed (the engine computes the rest); a failed
-        swap-out host block becomes free. Every argument is checked before anything changes.
-
-        The previous release's forms are still taken: group 0's figures bare (not in a mapping), and the
-        other groups' in ``saved_groups``, ``failed_group_swap_ins``, ``failed_group_swap_outs``.
-        """
-        tiers = self._tiers
-        previous = (saved_groups, failed_group_swap_ins, failed_group_swap_outs)
-        if tiers is None:
-            if not isinstance(plan, TransferPlan):
-                raise InvalidArgumentError(f"expected a TransferPlan, got {type(plan).__name__}")
-            if plan or any(previous) or failed_swap_ins or failed_swap_outs:
-                raise InvalidArgumentError("this manager has no tiers: its plans move nothing")
-            return
-        for admission in tiers.complete_transfers(plan, saved, failed_swap_ins, failed_swap_outs, previous):
-            if admission.settled:
-                self._settle(admission)
-
-    def poll_loads(self) -> list[LoadResult]:
-        """Storage reads of every group that finished (or timed out) since the last poll. Never waits.
-
-        Group 0's results first, then each local group's (``group`` set; its ``blocks`` are that group's
-        device blocks). A read is reported only once the plan of the step that admitted its sequence was
-        taken, so a block evicted in that step is saved before a load overwrites it. An admission settles
-        once every group's reads and copies are reported.
-        """
-        tiers = self._tiers
-        if tiers is None:
-            return []
-        results = []
-        for number, admission, outcome, timed_out in tiers.poll_loads():
-            pending: _Pending = admission.groups[number]  # type: ignore[assignment]  # it had loads
-            loads = pending.copies.loads
-            payloads = outcome.payloads[: len(loads)]
-            pending.loaded = {p for _, p in loads[: len(payloads)]}
-            pending.request = -1
-            if number == 0 and self._usable_hit(admission, hopeful=True) <= loads[0][1]:
-                payloads = ()  # the hit broke before the stored blocks: they are of no use
-            blocks = tuple(d for d, _ in loads[: len(payloads)])
-            results.append(LoadResult(admission.seq_id, blocks, payloads, len(loads), timed_out, group=number))
-            if admission.settled:
-                self._settle(admission)
-        return results
-
-    def _usable_hit(self, admission: _Admission, *, hopeful: bool = False) -> int:
-        """The leading chain blocks of a pending admission every group serves with the copies that landed
-        (``hopeful``: counting a read not yet reported as landed, and a swap-in not yet reported as failed)."""
-        groups = admission.groups
-        run = admission.hit
-        first = groups[0]
-        if first is not None:
-            landed = _landed(first, hopeful)
-            run = admission.device
-            while run < admission.hit and run in landed:
-                run += 1
-        if not self._locals:
-            return run
-        size = self._block_size
-        answers = []
-        whole = run == admission.hit  # every group got every block the hit needs: the hit stands
-        for local, pending in zip(self._locals, groups[1:], strict=True):
-            held = set(needed_blocks(local.rule, admission.hit * size))  # what the group holds for the hit ...
-            if pending is not None:  # ... but the blocks its copies fill only once they landed
-                copies = pending.copies
-                moved = {p for _, _, p in copies.swaps} | {p for _, p in copies.loads}
-                landed = _landed(pending, hopeful)
-                whole = whole and moved <= landed
-                held = (held - moved) | landed
-            answers.append(held.__contains__)
-        if whole:
-            return run
-        return longest_common_hit([local.rule for local in self._locals], run * size, answers) // size
-
-    def _settle(self, admission: _Admission) -> None:
-        """Every copy of ``admission`` was reported: its hits count, the usable leading run becomes committed
-        and findable, the rest of every table goes back and the engine computes those tokens."""
-        s = admission.seq
-        tiers: Tiering = self._tiers  # type: ignore[assignment]
-        del tiers.admissions[id(s)]
-        size = self._block_size
-        valid = self._usable_hit(admission)
-        device = min(admission.device, valid)
-        first = admission.groups[0]
-        host_ok = min(len(first.copies.swaps) if first is not None else 0, valid - device)
-        stored = valid - device - host_ok
-        cached = CachedTokens(device * size, host_ok * size, stored * size, num_prompt_tokens=s.content.num_tokens)
-        self._admitted(admission.seq_id, cached, admission.readmission)
-        table = s.table
-        if table is None:
-            raise IntegrityError(f"pending admission of {admission.seq_id!r} lost its table")
-        if valid < admission.hit:
-            self._cut_back(s, valid)
-        if valid > admission.device:
-            self._commit(s, valid * size)
-        if self._caching:
-            for local in self._locals:
-                local.index_landed(id(s), s.content.hashes, s.num_committed)
-
-    def _cut_back(self, s: _Sequence, valid: int) -> None:
-        """A copy failed: every table keeps what a hit of ``valid`` blocks needs, the rest (never committed) goes
-        back, and the sequence allocates its remaining tokens again (draft slots included)."""
-        table: list[int] = s.table  # type: ignore[assignment]  # settling an admitted sequence
-        dropped = table[valid:]
-        del table[valid:]
-        self._pool._release_valid(reversed(dropped))  # never committed: back to the fresh queue
-        size = self._block_size
-        s.num_covered = valid * size
-        s.num_committed = min(s.num_committed, s.num_covered)
-        s.lookahead = 0
-        for local in self._locals:
-            local.cut_back(id(s), valid, size)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every group's queued storage writes are done (shutdown, tests). True if they are."""
-        return self._tiers.flush(timeout) if self._tiers is not None else True
-
-    def close(self, timeout: float | None = 5.0) -> None:
-        """Stop every group's storage threads (queued writes get ``timeout`` seconds each) and close the backend."""
-        if self._tiers is not None:
-            self._tiers.close(timeout)
-
-    def __enter__(self: _M) -> _M:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
-        """Leaving the ``with`` block closes the manager (its storage threads stop), also on an exception."""
-        self.close()
-
-    @property
-    def tier_stats(self) -> TierStats:
-        """The tiers' counters (all zero without tiers)."""
-        if self._tiers is None:
-            return TierStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, None, None)
-        return self._tiers.stats()
-
-    # ------------------------------------------------------------------ statistics and checks
 
     @property
     def stats(self) -> CacheStats:
@@ -1311,16 +872,20 @@ class KVCacheManager:
         return self._tree.lifetimes
 
     def check_integrity(self) -> None:
-        """Raise :class:`IntegrityError` on any broken invariant of the pool, the tree, the groups, the tiers,
-        the sequences or the role."""
-        check_manager_integrity(self)
-        if self._tiers is not None:
-            self._tiers.check(self._block_size, self._device_block_of)
+        """Raise :class:`IntegrityError` on any broken invariant of the groups, the tiers, the sequences or the
+        role."""
+        tiers = self._tiers
+        self._full.check_integrity(self._seqs, tiers.deferred(0) if tiers is not None else ())
+        live = {
+            id(s): (seq_id, len(s.table), self._window_tokens(s))
+            for seq_id, s in self._seqs.items()
+            if s.table is not None
+        }
+        self._groups.check_integrity(live, {id(s) for s in self._seqs.values()}, tiers)
+        if tiers is not None:
+            tiers.check(self._block_size, self._device_block_of)
         if self._role is not None:
             self._role.check()
-
-    def _device_block_of(self, group: int, key: BlockHash) -> int | None:
-        return self._tree.block_of(key) if group == 0 else self._locals[group - 1].index.block_of(key)
 
     def _window_tokens(self, s: _Sequence) -> int:
         """The token the windows of ``s`` are placed at: its committed line, or the hit a pending admission
@@ -1329,27 +894,10 @@ class KVCacheManager:
         admission = tiers.admissions.get(id(s)) if tiers is not None else None
         if admission is not None:
             return admission.hit * self._block_size
-        if self._role is not None:
-            return self._role.window_token(s)
-        return s.num_committed
+        return self._role.window_token(s) if self._role is not None else s.num_committed
 
-    def _count_other_local_holders(self, index: int, expected: list[int]) -> None:
-        """Add references on local group ``index``'s blocks held by something other than the tables (a copy in
-        flight into a freed sequence's blocks)."""
-        if self._tiers is not None:
-            self._tiers.count_deferred(index + 1, expected)
-
-    def _count_other_holders(self, expected: list[int]) -> None:
-        """Add references held by something other than sequences' tables and pins (a plan's deferred releases)."""
-        if self._tiers is not None:
-            self._tiers.count_deferred(0, expected)
-
-    def _check_release_order(self) -> None:
-        """A node in use has its parent in use; with LRU, an idle node was released before its idle parent
-        (another policy's order is its own: it keeps a blocked parent until its children are gone)."""
-        check_release_order(self)
-
-    # ------------------------------------------------------------------ internals
+    def _device_block_of(self, group: int, key: BlockHash) -> int | None:
+        return self._tree.block_of(key) if group == 0 else self._locals[group - 1].index.block_of(key)
 
     def _get(self, seq_id: Hashable) -> _Sequence:
         try:
@@ -1359,25 +907,3 @@ class KVCacheManager:
             raise UnknownSequenceError(seq_id, detail) from None
         except TypeError:
             raise InvalidArgumentError(f"sequence id must be hashable, got {type(seq_id).__name__}") from None
-
-
-def _landed(pending: _Pending, hopeful: bool) -> set[int]:
-    """The positions of one group's copies that landed (``hopeful``: those not reported yet count as landed)."""
-    copies = pending.copies
-    landed: set[int] = set()
-    if pending.swapped is not None:
-        landed |= pending.swapped
-    elif hopeful:
-        landed.update(p for _, _, p in copies.swaps)
-    if pending.loaded is not None:
-        landed |= pending.loaded
-    elif hopeful:
-        landed.update(p for _, p in copies.loads)
-    return landed
-
-
-_NO_BLOCKS: list[int] = []  # the host blocks of an untiered hit (never changed)
-_Hit = tuple[int, list[int], list[int], int]
-"""An admission's hit: (chain blocks, group 0's device blocks, its host blocks after them, its storage loads)."""
-_Beside = tuple[Ask, list[tuple[int, Any] | None]]
-"""The other groups' part of an admission: what they were asked, and their answers."""

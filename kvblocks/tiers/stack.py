@@ -14,6 +14,7 @@ the stack never moves data and never waits.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
 from kvblocks.core.groups.sources import HOST, STORED, EvictingIndex
 from kvblocks.event_codec import BlockStored
 from kvblocks.hashing import BlockHash

@@ -39,6 +39,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvblocks.config import CacheConfig
+from kvblocks.core.groups.hits import longest_common_hit, needed_blocks
 from kvblocks.core.groups.local_group import LocalGroupManager
 from kvblocks.core.groups.protocol import GroupCopies
 from kvblocks.core.sequence import _Sequence
@@ -50,7 +51,7 @@ from kvblocks.pool import BlockPool
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.entry import group_tag, namespace_tag
 from kvblocks.tiers.host import HostTier
-from kvblocks.tiers.pending import TierStats, _Admission, _Counts, _Plan
+from kvblocks.tiers.pending import TierStats, _Admission, _Counts, _Pending, _Plan
 from kvblocks.tiers.stack import TierStack
 from kvblocks.tiers.storage_tier import LoadOutcome, StorageTier
 from kvblocks.tiers.transfers import GroupTransfers, TransferPlan, per_group
@@ -182,8 +183,25 @@ class Tiering:
     def num_pending_loads(self) -> int:
         return len(self.loads)
 
-    def probe(self, seq_id: Hashable, group: int, keys: Sequence[BlockHash]) -> None:
-        """Ask group ``group``'s storage (off-thread) which of ``keys`` it holds, for sequence ``seq_id``."""
+    def probe(self, seq_id: Hashable, hashes: Sequence[BlockHash], start: int, limit: int) -> None:
+        """Ask each group's storage (off-thread) which blocks of a new sequence it holds: group 0 those from
+        ``start`` (its device hit) to ``limit``, a local group those it holds neither on device nor on host."""
+        if start < limit:
+            self._probe(seq_id, 0, hashes[start:limit])
+        for local in self.locals:
+            stack: TierStack = local.tiers  # type: ignore[assignment]  # every local group has a stack
+            if stack.storage is None:
+                continue
+            keys = local.keys(hashes)
+            host = stack.host
+            unknown = [
+                key
+                for key in (keys[p] for p in range(limit // local.ratio))
+                if local.index.block_of(key) is None and (host is None or key not in host)
+            ]
+            self._probe(seq_id, local.number, unknown)
+
+    def _probe(self, seq_id: Hashable, group: int, keys: Sequence[BlockHash]) -> None:
         storage = self.stacks[group].storage
         request = storage.probe(keys) if storage is not None and keys else None
         if request is not None:
@@ -252,6 +270,34 @@ class Tiering:
                 part.swap_ins = [entry for entry in part.swap_ins if entry[2] is not admission]
                 self.stacks[number].host.release(h for h, _, _ in pending.copies.swaps)  # type: ignore[union-attr]
         return admission, None
+
+    def usable_hit(self, admission: _Admission, block_size: int, *, hopeful: bool = False) -> int:
+        """The leading chain blocks of a pending admission every group serves with the copies that landed
+        (``hopeful``: counting a read not yet reported as landed, and a swap-in not yet reported as failed)."""
+        groups = admission.groups
+        run = admission.hit
+        first = groups[0]
+        if first is not None:  # full attention serves a leading run
+            landed = _landed(first, hopeful)
+            run = admission.device
+            while run < admission.hit and run in landed:
+                run += 1
+        if not self.locals:
+            return run
+        answers = []
+        whole = run == admission.hit  # every group got every block the hit needs: the hit stands
+        for local, pending in zip(self.locals, groups[1:], strict=True):
+            held = set(needed_blocks(local.rule, admission.hit * block_size))  # what the group holds for the hit ...
+            if pending is not None:  # ... but the blocks its copies fill only once they landed
+                copies = pending.copies
+                moved = {p for _, _, p in copies.swaps} | {p for _, p in copies.loads}
+                landed = _landed(pending, hopeful)
+                whole = whole and moved <= landed
+                held = (held - moved) | landed
+            answers.append(held.__contains__)
+        if whole:
+            return run
+        return longest_common_hit([local.rule for local in self.locals], run * block_size, answers) // block_size
 
     # ------------------------------------------------------------------ plans
 
@@ -442,12 +488,22 @@ class Tiering:
             **asdict(self.counts),
         )
 
-    def count_deferred(self, number: int, expected: list[int]) -> None:
-        """Add the references group ``number``'s blocks hold for a plan's deferred release."""
-        for plan in (self.open, *self.inflight.values()):
-            for order in plan.groups[number].deferred:
-                for block in order:
-                    expected[block] += 1
+    def deferred(self, number: int) -> list[list[int]]:
+        """Group ``number``'s release orders the open and in-flight plans hold back (copies still use the blocks)."""
+        return [order for plan in (self.open, *self.inflight.values()) for order in plan.groups[number].deferred]
+
+    def save_before_preempt(self, s: _Sequence, block_size: int) -> None:
+        """Queue group 0's committed blocks of ``s`` for storage; if any is, their release waits for the open plan
+        (:attr:`hold_for`)."""
+        stack = self.stacks[0]
+        pins = s.pins or {}
+        table: list[int] = s.table  # type: ignore[assignment]  # admitted
+        hashes = s.content.hashes
+        saving = False
+        for position in range(s.num_committed // block_size):
+            saving |= stack.plan_save("device", pins.get(position, table[position]), hashes[position])
+        if saving:
+            self.hold_for = s
 
     def check(self, block_size: int, device_of: Callable[[int, BlockHash], int | None]) -> None:
         """The host tiers, the plans and the pending admissions agree. ``device_of(number, key)``: the block
@@ -525,3 +581,18 @@ def _by_group(value: object, previous: object, what: str, groups: int, default: 
     for group, entry in others.items():
         out[group] = entry
     return out
+
+
+def _landed(pending: _Pending, hopeful: bool) -> set[int]:
+    """The positions of one group's copies that landed (``hopeful``: those not reported yet count as landed)."""
+    copies = pending.copies
+    landed: set[int] = set()
+    if pending.swapped is not None:
+        landed |= pending.swapped
+    elif hopeful:
+        landed.update(p for _, _, p in copies.swaps)
+    if pending.loaded is not None:
+        landed |= pending.loaded
+    elif hopeful:
+        landed.update(p for _, p in copies.loads)
+    return landed

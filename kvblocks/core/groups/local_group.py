@@ -22,7 +22,7 @@ releases, a sequence's release, integrity. The formulas are its kind's (:mod:`kv
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -479,11 +479,7 @@ class LocalGroupManager:
 
     # ------------------------------------------------------------------ checks
 
-    def check_integrity(
-        self,
-        live: dict[int, tuple[object, int, int]],
-        other_holders: Callable[[list[int]], None],
-    ) -> None:
+    def check_integrity(self, live: dict[int, tuple[object, int, int]], other_holders: Iterable[Iterable[int]]) -> None:
         """Pool and index agree, references equal the tables (plus ``other_holders``), every table is as long
         as the kind says for the full one, it holds PLACEHOLDER exactly where the group released, and no block
         the kind releases is held. ``live``: id(sequence) -> (sequence id, full-attention table length, the
@@ -516,7 +512,9 @@ class LocalGroupManager:
             for block in table:
                 if block != PLACEHOLDER:
                     expected[block] += 1
-        other_holders(expected)
+        for order in other_holders:
+            for block in order:
+                expected[block] += 1
         for block in range(pool.num_blocks):
             if pool.ref_count(block) != expected[block]:
                 raise IntegrityError(f"group {number}: block {block} has {pool.ref_count(block)} references")

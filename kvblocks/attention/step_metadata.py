@@ -101,7 +101,7 @@ class _Group:
         self.copied = [0] * capacity  # ids the row holds
         self.lengths = np.zeros(capacity, dtype=np.int64)  # the same, for the batch's widest table in one call
         self.last = [PAD] * capacity  # the last id copied: a changed tail shows there
-        self.cleared = [0] * capacity  # leading positions rewritten as released (local groups)
+        self.cleared: list[Any] = [()] * capacity  # the released positions rewritten as PAD (local groups)
 
     def grow_rows(self, capacity: int) -> None:
         rows = np.full((capacity, self.rows.shape[1]), PAD, dtype=np.int32)
@@ -113,15 +113,16 @@ class _Group:
         extra = capacity - len(self.copied)
         self.copied += [0] * extra
         self.last += [PAD] * extra
-        self.cleared += [0] * extra
+        self.cleared += [()] * extra
 
     def reset(self, row: int) -> None:
         self.rows[row, : self.copied[row]] = PAD
-        self.copied[row] = self.cleared[row] = 0
+        self.copied[row] = 0
+        self.cleared[row] = ()
         self.lengths[row] = 0
         self.last[row] = PAD
 
-    def sync(self, row: int, table: list[int], released: int) -> None:
+    def sync(self, row: int, table: list[int], released: Any) -> None:
         """Bring row ``row`` to ``table``: copy the appended ids, or rewrite it when its tail changed."""
         count = len(table)
         done = self.copied[row]
@@ -139,9 +140,10 @@ class _Group:
         self.copied[row] = count
         self.lengths[row] = count
         self.last[row] = table[-1] if count else PAD
-        if released > self.cleared[row]:
-            rows[row, self.cleared[row] : released] = PAD
-            self.cleared[row] = released
+        if released != self.cleared[row]:  # the group's released positions (ranges), replaced when they grow
+            for gone in released:
+                rows[row, gone.start : gone.stop] = PAD
+        self.cleared[row] = released
 
 
 class _Staging:
@@ -230,7 +232,7 @@ class StepMetadataBuilder:
         full = self._full
         copied = full.copied
         last = full.last
-        locals_ = [(g, g.local.tables, g.local.released, g.copied, g.last, g.cleared) for g in self._locals]
+        locals_ = [(g, g.local.tables, g.local.released_positions, g.copied, g.last, g.cleared) for g in self._locals]
         rows: list[int] = []
         starts: list[int] = []
         queries: list[int] = []
@@ -251,13 +253,13 @@ class StepMetadataBuilder:
             if row is None or owner[row] is not table:
                 row = self._assign(seq_id, s, row)  # type: ignore[arg-type]
             elif len(table) != copied[row] or table[-1] != last[row]:
-                full.sync(row, table, 0)
+                full.sync(row, table, ())
             if locals_:
                 key = id(s)
                 for group, tables, released, done, ends, cleared in locals_:
                     local_table = tables[key]
-                    gone = released[key]
-                    if len(local_table) != done[row] or local_table[-1] != ends[row] or gone != cleared[row]:
+                    gone = released(key)
+                    if len(local_table) != done[row] or local_table[-1] != ends[row] or gone is not cleared[row]:
                         group.sync(row, local_table, gone)
             rows.append(row)
             starts.append(start)
@@ -278,7 +280,7 @@ class StepMetadataBuilder:
         for group in self._all:
             group.reset(row)
         self._owner[row] = s.table
-        self._full.sync(row, s.table, 0)  # type: ignore[arg-type]
+        self._full.sync(row, s.table, ())  # type: ignore[arg-type]
         return row
 
     def _reclaim(self) -> None:

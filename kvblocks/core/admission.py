@@ -143,7 +143,7 @@ class Admission:
         tokens = hits * size
         encoder = groups.encoder_tokens.get(id(s), 0) if self._crosses else 0
         window = tokens if window_token is None else window_token
-        ask = Ask(s.content.hashes, hits, total, tokens, window, encoder, reserve)
+        ask = Ask(s.content.hashes, hits, total, tokens, window, encoder, reserve, s.content.num_tokens, tokens + n)
         answers = groups.answers(ask, remotes)
         for answer in answers:
             if answer is not None and answer[0] > short:

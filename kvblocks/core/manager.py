@@ -167,6 +167,8 @@ class KVCacheManager(GroupCalls, TierCalls):
         if tiers is not None:
             if self._recurrents or self._crosses:
                 raise ConfigError("tiers serve attention groups: recurrent and cross-attention groups have none")
+            for local in self._locals:
+                local.require_block_per_position("a tiered manager")
             self._tiers = Tiering(tiers, config, full.pool, self._locals, events=event_sink, tag=tag)
             full.tiers = self._tiers.stacks[0]
         self._admission = Admission(config, self._groups, self._tiers)

@@ -24,7 +24,13 @@ from kvblocks.accounting import CachedTokens
 from kvblocks.config import DisaggConfig
 from kvblocks.core.manager import KVCacheManager
 from kvblocks.core.sequence import _Sequence
-from kvblocks.disagg.handoff import GROUPS_HANDOFF_VERSION, HANDOFF_VERSION, HandoffGroup, PrefillHandoff
+from kvblocks.disagg.handoff import (
+    GROUPS_HANDOFF_VERSION,
+    HANDOFF_VERSION,
+    LOCAL_GROUP_KINDS,
+    HandoffGroup,
+    PrefillHandoff,
+)
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, SequenceStateError
 from kvblocks.hashing import Namespace
 
@@ -38,6 +44,9 @@ def handoff_layout(manager: KVCacheManager) -> tuple[tuple[str, int], ...]:
         raise ConfigError("a handoff does not carry cross-attention groups (the decode node runs the encoder)")
     if any(local.ratio != 1 for local in manager._locals):
         raise ConfigError("a handoff carries local groups of the manager's block size only")
+    for local in manager._locals:
+        if local.kind.name not in LOCAL_GROUP_KINDS:
+            raise ConfigError(f"a handoff does not carry {local.kind.name} groups (it carries {LOCAL_GROUP_KINDS})")
     tables = tuple((local.kind.name, local.span) for local in manager._locals)
     return tables + tuple(("recurrent", r.step) for r in manager._recurrents)
 

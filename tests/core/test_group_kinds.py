@@ -114,7 +114,16 @@ def test_unknown_kinds_and_bad_spans_are_config_errors_naming_the_known_kinds() 
         GroupHitRule("recurrent", 4)
     with pytest.raises(ConfigError, match="a local group is one of 'sliding_window', 'chunked_local'"):
         LocalGroup("full", 8, 4)
-    assert set(GROUP_KIND_RULES) == {"full", "sliding_window", "chunked_local", "recurrent", "cross_attention"}
+    assert set(GROUP_KIND_RULES) == {
+        "full",
+        "sliding_window",
+        "chunked_local",
+        "recurrent",
+        "cross_attention",
+        "circular_buffer",
+        "retained_prefix_window",
+        "capped_sliding_window",
+    }
 
 
 class StrideWindow(WindowedRules):

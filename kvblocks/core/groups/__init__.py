@@ -8,6 +8,9 @@ kind                          a token at ``n`` attends to                     a 
 ``chunked_local`` (C)         its own chunk, ``[C * (n // C), n]``            the blocks of ``[C*(h//C), h)``
 ``recurrent``                 a state, not tokens                             a checkpoint at exactly ``h``
 ``cross_attention``           the encoder's outputs                           nothing (never cached)
+``circular_buffer`` (S)       a ring of S token slots, one block for life     nothing (never cached)
+``retained_prefix_window``    the prompt and ``[n - W + 1, n]``               blocks ``[0, h)``
+``capped_sliding_window``     as ``sliding_window`` (admits one pass)         as ``sliding_window``
 ============================  ==============================================  =========================
 
 Each kind is one module; :mod:`~kvblocks.core.groups.registry` names them.

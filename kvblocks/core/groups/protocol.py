@@ -28,7 +28,10 @@ class Ask:
     ``hits`` chain blocks are cached (``hit_tokens`` tokens); the full-attention table grows to
     ``total`` chain blocks. ``window_token`` is where a local group places its window (the hit; a
     handoff's prompt end), ``encoder`` the sequence's encoder tokens, ``reserve`` the blocks each
-    group must leave free besides (a decode node's growth reserve).
+    group must leave free besides (a decode node's growth reserve). ``prompt`` is the tokens the
+    sequence knows when admitted, ``covered`` the tokens the admission's slots cover before lookahead
+    (None: not known): a kind's positions may depend on them (a retained-prefix window's prompt, the
+    end of a capped window's one pass).
     """
 
     hashes: Sequence[BlockHash]
@@ -38,6 +41,8 @@ class Ask:
     window_token: int
     encoder: int = 0
     reserve: int = 0
+    prompt: int | None = None
+    covered: int | None = None
 
 
 @dataclass(slots=True)

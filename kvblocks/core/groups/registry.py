@@ -9,10 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from kvblocks.core.groups.capped_sliding_window import CappedSlidingWindow
 from kvblocks.core.groups.chunked_local import ChunkedLocal
+from kvblocks.core.groups.circular_buffer import CircularBuffer
 from kvblocks.core.groups.cross_attention import CrossAttention
 from kvblocks.core.groups.full import FullAttention
 from kvblocks.core.groups.recurrent import RecurrentState
+from kvblocks.core.groups.retained_prefix_window import RetainedPrefixWindow
 from kvblocks.core.groups.rules import KindRules
 from kvblocks.core.groups.sliding_window import SlidingWindow
 from kvblocks.errors import ConfigError
@@ -21,7 +24,16 @@ __all__ = ["GROUP_KIND_RULES", "kind_rules", "register_kind", "unregister_kind"]
 
 _KINDS: dict[str, KindRules] = {
     rules.name: rules
-    for rules in (FullAttention(), SlidingWindow(), ChunkedLocal(), RecurrentState(), CrossAttention())
+    for rules in (
+        FullAttention(),
+        SlidingWindow(),
+        ChunkedLocal(),
+        RecurrentState(),
+        CrossAttention(),
+        CircularBuffer(),
+        RetainedPrefixWindow(),
+        CappedSlidingWindow(),
+    )
 }
 _BUILT_IN = frozenset(_KINDS)
 

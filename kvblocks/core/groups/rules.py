@@ -10,6 +10,15 @@ follow from them, here, once::
     first_needed_token(14) = 9   ->  block 2 is the first held; blocks 0 and 1 may be released
     next_move(14) = 3 * 4 + 6 - 1 = 17: from 17 tokens on, block 2 leaves the window too
 
+What a running sequence holds is said in block positions, as :data:`Positions` (sorted, disjoint ranges),
+so a kind whose released positions are not one leading run says so too: :meth:`KindRules.released` (the
+positions no later token attends to), :meth:`KindRules.admission_released` (those an admission never
+takes), :meth:`KindRules.cached_stop` (how far a commit may cache) and :meth:`KindRules.table_length` (a
+table of one entry per position, or fewer). Their defaults follow from the two formulas above::
+
+    retained-prefix window W = 6, block size 4, a 10-token prompt, next token 26 (attends 0..9 and 21..26)
+    released(26) = (range(3, 5),): blocks 3 and 4 (tokens 12..19) lie between the prompt and the window
+
 A kind is an instance of a subclass, registered by name in :mod:`kvblocks.core.groups.registry`.
 """
 
@@ -21,10 +30,23 @@ from typing import ClassVar, Literal
 
 from kvblocks.errors import ConfigError
 
-__all__ = ["GROUP_KINDS", "NEVER", "Cached", "GroupKind", "KindRules", "WindowedRules", "ceil_div"]
+__all__ = [
+    "GROUP_KINDS",
+    "NEVER",
+    "Cached",
+    "GroupKind",
+    "KindRules",
+    "Positions",
+    "WindowedRules",
+    "ceil_div",
+    "covers",
+    "minus",
+    "union",
+]
 
 GroupKind = Literal["full", "sliding_window", "chunked_local", "recurrent", "cross_attention"]
-"""The built-in kinds' names (a kind added with :func:`~kvblocks.core.groups.register_kind` is a ``str`` too)."""
+"""The layout kinds' names (:mod:`kvblocks.hybrid.layout`); every other kind, built in or added with
+:func:`~kvblocks.core.groups.register_kind`, is named by a ``str``."""
 GROUP_KINDS: tuple[GroupKind, ...] = ("full", "sliding_window", "chunked_local", "recurrent", "cross_attention")
 
 NEVER = sys.maxsize
@@ -35,9 +57,49 @@ Cached = Callable[[int], bool]
 kind: is there a state checkpoint at token ``position``?"""
 
 
+Positions = tuple[range, ...]
+"""Block positions as sorted, disjoint, non-empty ranges of step 1: ``()`` is none, ``(range(0, 3),)`` 0, 1 and 2."""
+
+
 def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` in integers."""
     return -(-a // b)
+
+
+def union(*parts: Positions | range) -> Positions:
+    """The positions in any of ``parts`` (each :data:`Positions` or one range), merged."""
+    spans = sorted(
+        (r.start, r.stop) for part in parts for r in ((part,) if isinstance(part, range) else part) if r.stop > r.start
+    )
+    out: list[range] = []
+    for start, stop in spans:
+        if out and start <= out[-1].stop:
+            if stop > out[-1].stop:
+                out[-1] = range(out[-1].start, stop)
+        else:
+            out.append(range(start, stop))
+    return tuple(out)
+
+
+def minus(within: Positions | range, gone: Positions) -> Positions:
+    """The positions of ``within`` not in ``gone``."""
+    out: list[range] = []
+    for r in (within,) if isinstance(within, range) else within:
+        start = r.start
+        for g in gone:
+            if g.stop <= start or g.start >= r.stop:
+                continue
+            if g.start > start:
+                out.append(range(start, g.start))
+            start = max(start, g.stop)
+        if start < r.stop:
+            out.append(range(start, r.stop))
+    return tuple(out)
+
+
+def covers(outer: Positions, inner: Positions) -> bool:
+    """Whether every position of ``inner`` is in ``outer``."""
+    return all(any(o.start <= r.start and r.stop <= o.stop for o in outer) for r in inner)
 
 
 class KindRules:
@@ -48,8 +110,12 @@ class KindRules:
     * ``has_blocks``: its layers hold per-token K/V in blocks (False: one state per sequence);
     * ``spanned``: it needs a span (a window or a chunk, in tokens);
     * ``prefix_cached``: its blocks are findable by the hash chain (False: cross-attention);
-    * ``releases``: a running sequence gives blocks back as its window moves (a *local* kind);
+    * ``releases``: a running sequence gives blocks back as its window moves;
+    * ``local``: its groups are local groups (:class:`~kvblocks.core.groups.local_group.LocalGroup`): a pool,
+      a flat index and a table per sequence beside full attention;
     * ``event_kind``: the wire kind its events carry, for a kind that is not built in.
+
+    Formulas that depend on the sequence take ``prompt``: the tokens it knew when admitted (None: unknown).
     """
 
     name: ClassVar[str] = ""
@@ -57,6 +123,7 @@ class KindRules:
     spanned: ClassVar[bool] = False
     prefix_cached: ClassVar[bool] = True
     releases: ClassVar[bool] = False
+    local: ClassVar[bool] = False
     event_kind: ClassVar[str | None] = None
     """The kind KV events name (:data:`kvblocks.events.EVENT_GROUP_KINDS`, a fixed wire vocabulary): None
     for a built-in kind (its own name); a new kind names the built-in one a consumer should treat it as."""
@@ -95,6 +162,30 @@ class KindRules:
         """Blocks one running sequence of ``context`` tokens holds (for memory planning)."""
         return ceil_div(context, block_size)
 
+    def released(self, next_token: int, block_size: int, span: int, prompt: int | None) -> Positions:
+        """The block positions no token from ``next_token`` on attends to: a running sequence releases them.
+
+        Only grows with ``next_token``. Default: every position before :meth:`first_needed`.
+        """
+        first = self.first_needed(next_token, block_size, span)
+        return (range(0, first),) if first > 0 else ()
+
+    def admission_released(
+        self, hit: int, pass_end: int | None, block_size: int, span: int, prompt: int | None
+    ) -> Positions:
+        """The positions an admission at ``hit`` never takes. ``pass_end`` (None: unknown) is where the
+        admission's one pass stops: the engine computes tokens ``[hit, pass_end)`` at once and commits there
+        before it computes anything else. Default: :meth:`released` at the hit (the pass needs the rest)."""
+        return self.released(hit, block_size, span, prompt)
+
+    def cached_stop(self, committed: int, block_size: int, prompt: int | None) -> int:
+        """Positions below this one may be cached once ``committed`` tokens are written. Default: every full block."""
+        return committed // block_size
+
+    def table_length(self, positions: int) -> int:
+        """A sequence's table length when its tokens span ``positions`` block positions. Default: one per position."""
+        return positions
+
     # ------------------------------------------------------------------ prefix hits
 
     def needed_blocks(self, hit: int, block_size: int, span: int) -> range:
@@ -121,6 +212,7 @@ class WindowedRules(KindRules):
 
     spanned = True
     releases = True
+    local = True
 
     def longest_hit(self, top: int, step: int, block_size: int, span: int, cached: Cached) -> int:
         """Look down from ``top``: a hit is served when every block it needs is cached."""

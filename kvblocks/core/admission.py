@@ -24,7 +24,7 @@ from kvblocks.config import CacheConfig
 from kvblocks.core.coordinator import GroupCoordinator
 from kvblocks.core.groups.protocol import Ask, GroupCopies
 from kvblocks.core.sequence import BlockTable, _count_arg, _Sequence
-from kvblocks.errors import InvalidArgumentError, StaleLookupError
+from kvblocks.errors import IntegrityError, InvalidArgumentError, StaleLookupError
 from kvblocks.hashing import BlockHash
 from kvblocks.tiers.tiering import Tiering
 from kvblocks.tiers.transfers import AdmittedTable
@@ -75,23 +75,24 @@ class Admission:
         """The hit ``s`` would take now: group 0's device / host / storage split of the hit every group serves."""
         size = self._block_size
         prompt = s.content.num_tokens
-        if self._tiers is None:
+        tiers = self._tiers
+        if tiers is None:
             return CachedTokens(device=self.match_length(s) * size, num_prompt_tokens=prompt)
-        _, device, host, loads = self._tier_hit(s, None, None)
+        _, device, host, loads = self._tier_hit(tiers, s, None, None)
         return CachedTokens(len(device) * size, len(host) * size, loads * size, num_prompt_tokens=prompt)
 
     def hit(self, seq_id: Hashable, s: _Sequence, expected: int | None) -> Hit:
         """The hit an admission of ``s`` takes now (``expected``: exactly that many blocks, the caller's lookup):
         (blocks, group 0's device blocks, its host blocks after them, its storage loads after those). Pure."""
         if self._tiers is not None:
-            return self._tier_hit(s, seq_id, expected)
+            return self._tier_hit(self._tiers, s, seq_id, expected)
         matched = self.match(s)
         if expected is not None:
             self._check_expected(seq_id, expected, len(matched))
             del matched[expected:]
         return len(matched), matched, _NO_BLOCKS, 0
 
-    def _tier_hit(self, s: _Sequence, seq_id: Hashable, expected: int | None) -> Hit:
+    def _tier_hit(self, tiers: Tiering, s: _Sequence, seq_id: Hashable, expected: int | None) -> Hit:
         """:meth:`hit` through tiers: the hit every group serves from device or its tiers. Pure; no I/O."""
         if not self._caching or s.skip_read:
             return 0, [], _NO_BLOCKS, 0
@@ -100,7 +101,7 @@ class Admission:
         limit = self.cacheable_blocks(content.num_tokens)
         matched = self._tree.matched_blocks(hashes, limit)
         device = len(matched)
-        stack = self._tiers.stacks[0]  # type: ignore[union-attr]  # the caller checked
+        stack = tiers.stacks[0]
         host = stack.host_run(hashes, device, limit)
         hit = device + len(host)
         hit += stack.stored_run(hashes, hit, limit)
@@ -155,14 +156,14 @@ class Admission:
         table covers the hit, ``n`` new tokens and ``k`` drafts. Returns the other groups' copies."""
         hits, matched, host, _ = hit
         size = self._block_size
-        copies = self._beside.take(id(s), *beside) if beside is not None else ()  # type: ignore[union-attr]
+        copies = self._groups.take(id(s), *beside) if beside is not None else ()
         device = len(matched)
         covered = hits * size + n
         need = (covered + k + size - 1) // size - device
         if device:
             self._pool._acquire_valid(matched)  # nodes the tree just matched: valid by construction
         if host:
-            self._tiers.stacks[0].acquire_host(host)  # type: ignore[union-attr]  # before an eviction writes back
+            self._tiering().stacks[0].acquire_host(host)  # before an eviction can write back into the host tier
         if need:
             matched += self._full.take(need)
         s.table = matched
@@ -177,12 +178,12 @@ class Admission:
     def pend(self, seq_id: Hashable, s: _Sequence, hit: Hit, copies: Sequence[GroupCopies | None]) -> AdmittedTable:
         """Hand an admission's copies to the tiers: pending until every one is reported."""
         hits, _, host, loads = hit
-        table: list[int] = s.table  # type: ignore[assignment]  # just admitted
+        table = s.blocks()
         device = s.num_committed // self._block_size
         start = device + len(host)
         swaps = [(h, table[p], p) for p, h in enumerate(host, device)]
         group0 = GroupCopies(swaps, [(table[p], p) for p in range(start, start + loads)]) if host or loads else None
-        self._tiers.pend(seq_id, s, hits, device, [group0, *copies])  # type: ignore[union-attr]
+        self._tiering().pend(seq_id, s, hits, device, [group0, *copies])
         hashes = s.content.hashes
         view = AdmittedTable(
             table,
@@ -241,3 +242,9 @@ class Admission:
         if hit and self._drop_last:
             hit = groups.common_hit(hashes, hit - size, tiers)
         return hit // size
+
+    def _tiering(self) -> Tiering:
+        """The tiers (the caller knows there are some: the hit has blocks beyond the device)."""
+        if self._tiers is None:
+            raise IntegrityError("an admission with copies beyond the device on a manager without tiers")
+        return self._tiers

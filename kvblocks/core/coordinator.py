@@ -41,30 +41,34 @@ class _Deferring(Protocol):
     def deferred(self, number: int) -> list[list[int]]: ...
 
 
-_ORDER = (LocalGroup, RecurrentGroup, CrossAttentionGroup)
-
-
 def split_groups(
     groups: Sequence[object],
 ) -> tuple[list[LocalGroup], list[RecurrentGroup], list[CrossAttentionGroup]]:
     """The local, recurrent and cross-attention groups of ``groups``, which must come in that order (it is
     their group numbering: 1, 2, ... after full attention)."""
-    split: tuple[list[LocalGroup], list[RecurrentGroup], list[CrossAttentionGroup]] = ([], [], [])
-    rank = 0
+    locals_: list[LocalGroup] = []
+    recurrents: list[RecurrentGroup] = []
+    crosses: list[CrossAttentionGroup] = []
     for number, group in enumerate(groups, 1):
-        kinds = [i for i, kind in enumerate(_ORDER) if isinstance(group, kind)]
-        if not kinds:
+        if isinstance(group, LocalGroup):
+            later: list[object] = [*recurrents, *crosses]  # a group of an earlier kind after them: out of order
+            locals_.append(group)
+        elif isinstance(group, RecurrentGroup):
+            later = list(crosses)
+            recurrents.append(group)
+        elif isinstance(group, CrossAttentionGroup):
+            later = []
+            crosses.append(group)
+        else:
             raise ConfigError(
                 f"group {number} is a {type(group).__name__}; a layer group is a LocalGroup, RecurrentGroup or "
                 "CrossAttentionGroup"
             )
-        if kinds[0] < rank:
+        if later:
             raise ConfigError(
                 "groups come in group order: local groups, then recurrent groups, then cross-attention groups"
             )
-        rank = kinds[0]
-        split[rank].append(group)  # type: ignore[arg-type]
-    return split
+    return locals_, recurrents, crosses
 
 
 class GroupCoordinator:
@@ -142,7 +146,7 @@ class GroupCoordinator:
     def pool(self, group: object) -> BlockPool:
         """Group ``group``'s pool (a recurrent group's holds its checkpoints)."""
         number = self.number(group)
-        return self.full.pool if number == 0 else self.groups[number - 1].pool  # type: ignore[attr-defined]
+        return self.full.pool if number == 0 else self.groups[number - 1].pool
 
     # ------------------------------------------------------------------ the hit every group serves
 
@@ -176,10 +180,12 @@ class GroupCoordinator:
 
     def take(self, key: int, ask: Ask, answers: list[tuple[int, Any] | None]) -> list[GroupCopies | None]:
         """The second phase: every group takes what its answer found room for; each group's copies."""
-        return [
-            group.take_admission(key, ask, answer[1])  # type: ignore[index]  # the caller checked every answer
-            for group, answer in zip(self.groups, answers, strict=True)
-        ]
+        copies = []
+        for group, answer in zip(self.groups, answers, strict=True):
+            if answer is None:  # pragma: no cover - the caller checked every answer
+                raise IntegrityError(f"group {group.number} does not serve the hit it is asked to take")
+            copies.append(group.take_admission(key, ask, answer[1]))
+        return copies
 
     def grow(self, s: _Sequence, covered: int, lookahead: int) -> bool:
         """Give admitted ``s`` slots for ``covered`` tokens plus ``lookahead`` drafts, or change nothing (False).
@@ -211,7 +217,7 @@ class GroupCoordinator:
         """Whether admitted ``s`` may take ``need`` more blocks now, in every layer group. Pure."""
         if need > self.full.pool.num_free:
             return False
-        return not self.locals or self.growth_short(id(s), len(s.table) + need) <= 0  # type: ignore[arg-type]
+        return not self.locals or self.growth_short(id(s), len(s.blocks()) + need) <= 0
 
     def growth_short(self, key: int, total: int) -> int:
         """The most blocks a local group lacks to grow a sequence's tables to ``total`` chain blocks. Pure."""

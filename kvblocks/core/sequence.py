@@ -5,9 +5,9 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from typing import overload
+from typing import SupportsIndex, cast, overload
 
-from kvblocks.errors import InvalidArgumentError
+from kvblocks.errors import IntegrityError, InvalidArgumentError
 from kvblocks.hashing import BlockExtras, BlockHash, BlockHasher, HashedTokens, PrecomputedHashes
 
 __all__ = ["BlockTable", "hashed_content"]
@@ -87,6 +87,13 @@ class _Sequence:
         self.skip_read = skip_read  # never take a hit (prompt logprobs need every token computed); still writes
         self.watch = _NEVER  # a commit reaching this many tokens must reach the groups beside full attention
 
+    def blocks(self) -> list[int]:
+        """The table of an admitted sequence (its callers checked it is admitted)."""
+        table = self.table
+        if table is None:
+            raise IntegrityError("a sequence that is not admitted has no table")
+        return table
+
     def clear_table(self) -> None:
         """The sequence left its blocks (freed or preempted): not admitted any more."""
         self.table = None
@@ -100,7 +107,7 @@ def _count_arg(value: object, what: str) -> int:
     if isinstance(value, bool):
         raise InvalidArgumentError(f"{what} must be an int, got bool")
     try:
-        number = operator.index(value)  # type: ignore[arg-type]
+        number = operator.index(cast("SupportsIndex", value))
     except TypeError:
         raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__}") from None
     if number < 0:

@@ -130,12 +130,12 @@ def run_step(
     return failed
 
 
-def _column(values: object, count: int, what: str, default: object) -> list:  # type: ignore[type-arg]
+def _column(values: object, count: int, what: str, default: object) -> Sequence[Any]:
     """One value per sequence: a sequence of ``count`` values, or one value for all."""
     if values is None:
         return [default] * count
     if isinstance(values, (list, tuple)):
         if len(values) != count:
             raise InvalidArgumentError(f"{what} has {len(values)} entries for {count} sequences")
-        return values  # type: ignore[return-value]
+        return values
     return [values] * count

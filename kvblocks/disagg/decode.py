@@ -192,7 +192,7 @@ class DecodeRole:
         delta = max(0, min(hits - seeded.total, prompt - seeded.total))
         cached = CachedTokens(seeded.device + delta, seeded.host, seeded.storage, num_prompt_tokens=prompt)
         self.usage[seq_id] = cached
-        table: list[int] = s.table  # type: ignore[assignment]  # just admitted
+        table = s.blocks()
         transfers = tuple(zip(handoff.source_blocks[kept:], table[kept:], strict=True))
         moves = [tuple(c.moves) if c is not None else () for c in copies]
         counters = self.counters
@@ -202,7 +202,7 @@ class DecodeRole:
         counters.transferred_blocks += len(transfers) + sum(len(group) for group in moves)
         return DecodeAdmission(
             seq_id,
-            s.view,  # type: ignore[arg-type]  # just admitted
+            m.block_table(seq_id),
             transfers,
             cached,
             group_tables=tuple(tuple(table) for table in m.block_tables(seq_id)),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvblocks.core.groups.protocol import GroupCopies
 from kvblocks.core.sequence import _Sequence
+from kvblocks.errors import IntegrityError
 from kvblocks.hashing import BlockHash
 from kvblocks.tiers.storage_tier import StorageTierStats
 from kvblocks.tiers.transfers import BlockSave, GroupTransfers, TransferPlan
@@ -94,6 +95,13 @@ class _Admission:
         self.load_plan = -1  # the plan open when its storage reads were queued
         self.deadline = 0.0
         self.cancelled = False
+
+    def part(self, number: int) -> _Pending:
+        """Group ``number``'s copies (the caller knows it has some)."""
+        pending = self.groups[number]
+        if pending is None:
+            raise IntegrityError(f"pending admission of {self.seq_id!r} has no copies in group {number}")
+        return pending
 
     @property
     def swaps_reported(self) -> bool:

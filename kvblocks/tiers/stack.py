@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from kvblocks.config import CacheConfig
 from kvblocks.core.groups.local_group import LocalGroupManager
 from kvblocks.core.groups.sources import HOST, STORED, EvictingIndex
-from kvblocks.errors import ConfigError
+from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.event_codec import BlockStored
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash, Namespace
@@ -96,6 +96,18 @@ class TierStack:
     def holds(self, key: BlockHash) -> bool:
         """Whether the host tier or (known, healthy) storage holds ``key``. Pure."""
         return self.where(key) is not None
+
+    def host_tier(self) -> HostTier:
+        """The host tier (the caller knows the group has one: a plan moves blocks through it)."""
+        if self.host is None:
+            raise IntegrityError(f"group {self.number} has no host tier")
+        return self.host
+
+    def storage_tier(self) -> StorageTier:
+        """The storage tier (the caller knows the group has one: a plan saves or loads through it)."""
+        if self.storage is None:
+            raise IntegrityError(f"group {self.number} has no storage tier")
+        return self.storage
 
     def acquire_host(self, blocks: list[int]) -> None:
         """Hold host blocks a swap-in reads (an eviction cannot take them until the plan completes)."""

@@ -147,7 +147,7 @@ class Tiering:
         if not probes:
             return False
         stacks = self.stacks
-        left = [(g, r) for g, r in probes if not stacks[g].storage.is_answered(r)]  # type: ignore[union-attr]
+        left = [(g, r) for g, r in probes if not stacks[g].storage_tier().is_answered(r)]
         if left:
             self.probes[seq_id] = left
             return True
@@ -176,11 +176,11 @@ class Tiering:
 
     def _start_load(self, admission: _Admission, number: int, hashes: Sequence[BlockHash]) -> None:
         """Queue group ``number``'s storage read of an admission's blocks (reported by :meth:`poll_loads`)."""
-        storage: StorageTier = self.stacks[number].storage  # type: ignore[assignment]  # it made the loads
+        storage = self.stacks[number].storage_tier()
         keys = hashes if number == 0 else self.locals[number - 1].keys(hashes)
-        pending = admission.groups[number]
-        request = storage.load([keys[p] for _, p in pending.copies.loads])  # type: ignore[union-attr]
-        pending.request = request  # type: ignore[union-attr]
+        pending = admission.part(number)
+        request = storage.load([keys[p] for _, p in pending.copies.loads])
+        pending.request = request
         admission.load_plan = self.open.id  # held until this step's plan was taken (its saves read first)
         admission.deadline = max(admission.deadline, time.monotonic() + storage.timeout_s)
         self.loads[number, request] = admission
@@ -205,7 +205,7 @@ class Tiering:
         admission.cancelled = True
         for number, pending in enumerate(admission.groups):
             if pending is not None and self.loads.pop((number, pending.request), None) is not None:
-                self.stacks[number].storage.cancel(pending.request)  # type: ignore[union-attr]
+                self.stacks[number].storage_tier().cancel(pending.request)
         if admission.swaps_reported:
             return admission, None
         if admission.swap_plan != self.open.id:
@@ -213,7 +213,7 @@ class Tiering:
         for number, (pending, part) in enumerate(zip(admission.groups, self.open.groups, strict=True)):
             if pending is not None and pending.copies.swaps:  # not handed out yet: drop the swap-ins
                 part.swap_ins = [entry for entry in part.swap_ins if entry[2] is not admission]
-                self.stacks[number].host.release(h for h, _, _ in pending.copies.swaps)  # type: ignore[union-attr]
+                self.stacks[number].host_tier().release(h for h, _, _ in pending.copies.swaps)
         return admission, None
 
     def usable_hit(self, admission: _Admission, block_size: int, *, hopeful: bool = False) -> int:
@@ -308,7 +308,7 @@ class Tiering:
             if given is not None and part.saves:
                 if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
                     raise InvalidArgumentError(f"saved{label} must be a sequence of payloads, one per save")
-                self.stacks[number].storage.check_payloads([save.block_hash for save in part.saves], given)  # type: ignore[union-attr]
+                self.stacks[number].storage_tier().check_payloads([save.block_hash for save in part.saves], given)
         del self.inflight[plan.id]
         counts = self.counts
         for number, part in enumerate(state.groups):
@@ -317,29 +317,29 @@ class Tiering:
                 if given is None:
                     counts.saves_without_payload += len(part.saves)
                 else:
-                    self.stacks[number].storage.save([save.block_hash for save in part.saves], given)  # type: ignore[union-attr]
+                    self.stacks[number].storage_tier().save([save.block_hash for save in part.saves], given)
         reported: dict[int, _Admission] = {}
         for number, part in enumerate(state.groups):
-            host = self.stacks[number].host
+            stack = self.stacks[number]
             failed = failed_out_sets[number]
             for _, host_block, block_hash in part.swap_outs:
                 ok = host_block not in failed
-                host.complete(block_hash, host_block, ok)  # type: ignore[union-attr]
+                stack.host_tier().complete(block_hash, host_block, ok)
                 counts.swap_outs += ok
                 counts.swap_out_failures += not ok
             if not part.swap_ins:
                 continue
-            host.release([h for h, _, _, _ in part.swap_ins])  # type: ignore[union-attr]
+            stack.host_tier().release([h for h, _, _, _ in part.swap_ins])
             failed = failed_in_sets[number]
             for _, device_block, admission, position in part.swap_ins:
-                pending = admission.groups[number]
-                if pending.swapped is None:  # type: ignore[union-attr]
-                    pending.swapped = set()  # type: ignore[union-attr]
+                pending = admission.part(number)
+                if pending.swapped is None:
+                    pending.swapped = set()
                     reported.setdefault(id(admission), admission)
                 if device_block in failed:
                     counts.swap_in_failures += 1
                 else:
-                    pending.swapped.add(position)  # type: ignore[union-attr]
+                    pending.swapped.add(position)
                     counts.swap_ins += 1
         for part, pool in zip(state.groups, self.pools, strict=True):
             for order in part.deferred:
@@ -374,9 +374,9 @@ class Tiering:
         for (number, request), admission in list(self.loads.items()):
             if admission.deadline <= now and admission.load_plan < taken:
                 del self.loads[number, request]
-                storage: StorageTier = self.stacks[number].storage  # type: ignore[assignment]
+                storage = self.stacks[number].storage_tier()
                 storage.cancel(request)
-                storage.note_timeout(len(admission.groups[number].copies.loads))  # type: ignore[union-attr]
+                storage.note_timeout(len(admission.part(number).copies.loads))
                 results.append((number, admission, LoadOutcome(()), True))
         if self.events:
             self.publish()
@@ -442,7 +442,7 @@ class Tiering:
         (:attr:`hold_for`)."""
         stack = self.stacks[0]
         pins = s.pins or {}
-        table: list[int] = s.table  # type: ignore[assignment]  # admitted
+        table = s.blocks()
         hashes = s.content.hashes
         saving = False
         for position in range(s.num_committed // block_size):

@@ -64,7 +64,7 @@ class FullAttentionGroup:
         # The tree's events name the blocks' tokens (package-private). stable: a sequence's hashes and
         # tokens only grow (HashedTokens.truncate replaces them), so its events read them when built.
         tokens = content._tokens if tree._events is not None and isinstance(content, HashedTokens) else None
-        table: list[int] = s.table  # type: ignore[assignment]  # admitted: checked by the caller
+        table = s.blocks()
         existing = tree.insert(content.hashes, table, start, stop, tokens=tokens, lora_name=s.lora_name, stable=True)
         if existing:
             pins = s.pins if s.pins is not None else {}
@@ -87,7 +87,7 @@ class FullAttentionGroup:
         if not self.caching or stop <= start:
             return 0
         hashes = s.content.hashes
-        table: list[int] = s.table  # type: ignore[assignment]  # admitted
+        table = s.blocks()
         block_of = self.tree.block_of
         ref = self.pool._ref
         count = 0
@@ -127,7 +127,7 @@ class FullAttentionGroup:
     def cut_back(self, s: _Sequence, valid: int) -> None:
         """An admission's copies fell short: the table keeps its first ``valid`` blocks; the rest (never
         committed) goes back to the fresh queue."""
-        table: list[int] = s.table  # type: ignore[assignment]  # settling an admitted sequence
+        table = s.blocks()
         dropped = table[valid:]
         del table[valid:]
         self.pool._release_valid(reversed(dropped))

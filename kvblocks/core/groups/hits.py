@@ -46,7 +46,7 @@ class GroupHitRule:
     in the registry once, here.
     """
 
-    kind: GroupKind
+    kind: GroupKind | str
     block_size: int | None = None
     span: int | None = None
     kind_rules: KindRules = field(init=False, repr=False, compare=False)

@@ -23,8 +23,8 @@ releases, a sequence's release, integrity. The formulas are its kind's (:mod:`kv
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast, overload
 
 from kvblocks.core.groups.block_index import FlatBlockIndex
 from kvblocks.core.groups.hits import GroupHitRule, needed_blocks
@@ -85,41 +85,34 @@ class _EveryNth(Sequence[BlockHash]):
     def __len__(self) -> int:
         return len(self._hashes) // self._ratio
 
-    def __getitem__(self, position: int) -> BlockHash:  # type: ignore[override]
+    @overload
+    def __getitem__(self, position: int) -> BlockHash: ...
+    @overload
+    def __getitem__(self, position: slice) -> Sequence[BlockHash]: ...
+    def __getitem__(self, position: int | slice) -> BlockHash | Sequence[BlockHash]:
+        if isinstance(position, slice):
+            return [self[p] for p in range(*position.indices(len(self)))]
         if position < 0:
             raise IndexError(position)  # only the manager reads it, with group positions >= 0
         return self._hashes[(position + 1) * self._ratio - 1]
 
 
+@dataclass(slots=True)
 class _Plan:
     """What an admission found, for :meth:`LocalGroupManager.take_admission`: the table's length, the positions
     it leaves released (and those of them only the one pass explains), the new positions, and the blocks the
     positions below the hit come from: kept on device (``kept``, at ``window``), or ``held`` through tiers or
     a handoff ((position, block, where); ``remote`` the prefill node's table)."""
 
-    __slots__ = ("fresh", "gone", "held", "inflight", "kept", "length", "prompt", "remote", "window")
-
-    def __init__(
-        self,
-        length: int,
-        gone: Positions,
-        inflight: Positions,
-        fresh: Positions,
-        prompt: int | None,
-        kept: list[int] | None = None,
-        window: range = range(0),
-        held: list[tuple[int, int, int]] | None = None,
-        remote: Sequence[int] | None = None,
-    ) -> None:
-        self.length = length
-        self.gone = gone
-        self.inflight = inflight
-        self.fresh = fresh
-        self.prompt = prompt
-        self.kept = kept
-        self.window = window
-        self.held = held
-        self.remote = remote
+    length: int
+    gone: Positions
+    inflight: Positions
+    fresh: Positions
+    prompt: int | None
+    kept: list[int] = field(default_factory=list)
+    window: range = range(0)
+    held: list[tuple[int, int, int]] | None = None
+    remote: Sequence[int] | None = None
 
 
 class LocalGroupManager:
@@ -152,7 +145,7 @@ class LocalGroupManager:
                 f"a local group's block_size {block_size} must be a multiple of the manager's {chain_block_size}"
             )
         self.number = number  # the group's index in the manager
-        self.rule = GroupHitRule(group.kind, block_size, group.span)  # type: ignore[arg-type]
+        self.rule = GroupHitRule(group.kind, block_size, group.span)
         self.kind = self.rule.kind_rules  # the formulas, once, in the kind
         if not self.kind.prefix_cached and block_size != chain_block_size:
             raise ConfigError(
@@ -247,7 +240,7 @@ class LocalGroupManager:
         else:
             keys = self.keys(hashes)
             kept = [block_of(keys[p]) for p in window]
-        return None if None in kept else kept  # type: ignore[return-value]
+        return None if None in kept else cast("list[int]", kept)
 
     # ------------------------------------------------------------------ admission and growth
 
@@ -326,7 +319,7 @@ class LocalGroupManager:
         table = [PLACEHOLDER] * plan.length
         copies = None
         if plan.held is None:  # every needed block on device
-            kept: list[int] = plan.kept  # type: ignore[assignment]
+            kept = plan.kept
             self.pool._acquire_valid(kept)
             if kept:
                 table[plan.window.start : plan.window.stop] = kept
@@ -354,12 +347,13 @@ class LocalGroupManager:
                 else:
                     copies.moves.append((block, target))
         remote = plan.remote
+        moves = copies.moves if copies is not None else []
         for r in plan.fresh:
             for position in r:
                 target = next(new)
                 table[position] = target
                 if remote is not None:  # a handoff: the prompt's blocks come from the prefill node
-                    copies.moves.append((remote[position], target))  # type: ignore[union-attr]
+                    moves.append((remote[position], target))
         self.tables[key] = table
         self._released[key] = plan.gone
         self._prompts[key] = plan.prompt

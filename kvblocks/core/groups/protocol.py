@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvblocks.hashing import BlockHash
+from kvblocks.pool import BlockPool
 
 __all__ = ["Ask", "GroupCopies", "GroupManager"]
 
@@ -67,6 +68,8 @@ class GroupManager(Protocol):
 
     number: int
     """The group's index in the manager (0 is full attention)."""
+    pool: BlockPool
+    """The group's blocks (a recurrent group's: its checkpoints)."""
 
     def admission(self, ask: Ask, remote: Sequence[int] | None) -> tuple[int, Any] | None:
         """(blocks the group lacks, what :meth:`take_admission` needs), or None when the group no longer

@@ -217,7 +217,10 @@ class GroupCoordinator:
         """Whether admitted ``s`` may take ``need`` more blocks now, in every layer group. Pure."""
         if need > self.full.pool.num_free:
             return False
-        return not self.locals or self.growth_short(id(s), len(s.blocks()) + need) <= 0
+        if not self.locals:
+            return True
+        table = s.table
+        return table is not None and self.growth_short(id(s), len(table) + need) <= 0
 
     def growth_short(self, key: int, total: int) -> int:
         """The most blocks a local group lacks to grow a sequence's tables to ``total`` chain blocks. Pure."""

@@ -94,6 +94,48 @@ def test_released_positions_are_exactly_those_no_later_token_attends_to(
 
 
 @given(
+    kind=st.sampled_from(sorted(GROUP_KIND_RULES)),
+    n=st.integers(0, 120),
+    size=st.integers(1, 8),
+    span=st.integers(1, 24),
+    prompt=st.integers(1, 60),
+)
+def test_a_kind_that_says_its_release_is_leading_releases_the_positions_before_the_first_needed(
+    kind: str, n: int, size: int, span: int, prompt: int
+) -> None:
+    """A manager keeps a ``leading`` kind's released positions as one count: the kind must mean it."""
+    rules = kind_rules(kind)
+    if rules.leading:
+        first = rules.first_needed(n, size, span)
+        assert flat(rules.released(n, size, span, prompt)) == set(range(first))
+    elif rules.releases:  # a kind that says otherwise releases something that is not a leading run, somewhere
+        runs = [rules.released(m, size, span, m // 2) for m in range(0, 200, 7)]
+        assert any(r and r[0].start > 0 for r in runs)
+
+
+@given(
+    kind=st.sampled_from(sorted(GROUP_KIND_RULES)),
+    hit=st.integers(0, 120),
+    extra=st.integers(0, 80),
+    size=st.integers(1, 8),
+    span=st.integers(1, 24),
+    prompt=st.integers(1, 60),
+)
+def test_a_kind_that_says_it_is_not_one_pass_leaves_what_it_releases_at_the_hit(
+    kind: str, hit: int, extra: int, size: int, span: int, prompt: int
+) -> None:
+    """A manager admits a kind that is not ``one_pass`` without asking it for an admission's own release: the
+    kind must mean it."""
+    rules = kind_rules(kind)
+    at_hit = flat(rules.released(hit, size, span, prompt))
+    admitted = flat(rules.admission_released(hit, hit + extra, size, span, prompt))
+    if not rules.one_pass:
+        assert admitted == at_hit
+    else:
+        assert admitted >= at_hit
+
+
+@given(
     kind=WINDOWED,
     n=st.integers(0, 120),
     size=st.integers(1, 8),

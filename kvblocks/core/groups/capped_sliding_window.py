@@ -30,6 +30,7 @@ class CappedSlidingWindow(SlidingWindow):
 
     name = "capped_sliding_window"
     event_kind = "sliding_window"
+    one_pass = True  # an admission skips what its one pass computes from its own K/V
 
     def admission_released(
         self, hit: int, pass_end: int | None, block_size: int, span: int, prompt: int | None

@@ -29,11 +29,10 @@ class CircularBuffer(KindRules):
     spanned = True
     prefix_cached = False
     local = True
+    leading = False  # nothing, ever
+    table_entries = 1
 
     def held_blocks(self, context: int, block_size: int, span: int | None) -> int:
-        return 1
-
-    def table_length(self, positions: int) -> int:
         return 1
 
     def released(self, next_token: int, block_size: int, span: int, prompt: int | None) -> Positions:

@@ -49,10 +49,7 @@ class FullAttentionGroup:
 
     def take(self, count: int) -> list[int]:
         """``count`` fresh blocks, evicting idle leaves (written back when the group has tiers)."""
-        pool = self.pool
-        if count <= pool.num_fresh:  # the common case: no eviction
-            return pool.take_fresh(count)
-        return take_blocks(pool, self.tree, self.tiers, count)
+        return take_blocks(self.pool, self.tree, self.tiers, count)
 
     # ------------------------------------------------------------------ commit
 
@@ -64,7 +61,9 @@ class FullAttentionGroup:
         # The tree's events name the blocks' tokens (package-private). stable: a sequence's hashes and
         # tokens only grow (HashedTokens.truncate replaces them), so its events read them when built.
         tokens = content._tokens if tree._events is not None and isinstance(content, HashedTokens) else None
-        table = s.blocks()
+        table = s.table
+        if table is None:  # pragma: no cover - the caller commits admitted sequences only
+            raise IntegrityError("only an admitted sequence commits")
         existing = tree.insert(content.hashes, table, start, stop, tokens=tokens, lora_name=s.lora_name, stable=True)
         if existing:
             pins = s.pins if s.pins is not None else {}
@@ -87,7 +86,9 @@ class FullAttentionGroup:
         if not self.caching or stop <= start:
             return 0
         hashes = s.content.hashes
-        table = s.blocks()
+        table = s.table
+        if table is None:  # pragma: no cover - a step commits admitted sequences only
+            raise IntegrityError("only an admitted sequence commits")
         block_of = self.tree.block_of
         ref = self.pool._ref
         count = 0

@@ -175,7 +175,8 @@ class LocalGroupManager:
     def table_length(self, chain_blocks: int) -> int:
         """A sequence's table length when the full-attention table has ``chain_blocks`` blocks (one entry per
         position, unless the kind keeps fewer)."""
-        return self.kind.table_length(-(-chain_blocks // self.ratio))
+        entries = self.kind.table_entries
+        return -(-chain_blocks // self.ratio) if entries is None else entries
 
     def first_needed(self, next_token: int) -> int:
         """The first block position any token from ``next_token`` on attends to (its window's or chunk's start)."""
@@ -203,7 +204,7 @@ class LocalGroupManager:
     def require_block_per_position(self, what: str) -> None:
         """Raise :class:`ConfigError` unless the kind's tables hold one entry per position: ``what`` serves only
         those (it copies blocks position by position)."""
-        if any(self.kind.table_length(n) != n for n in (1, 2, 3)):
+        if self.kind.table_entries is not None:
             raise ConfigError(f"{what} does not serve {self.kind.name} groups: their tables are not a block a position")
 
     # ------------------------------------------------------------------ hits
@@ -263,6 +264,16 @@ class LocalGroupManager:
         size = self.block_size
         prompt = ask.prompt
         length = self.table_length(ask.total)
+        pool = self.pool
+        if remote is None and self.tiers is None and kind.leading and not kind.one_pass:  # a window's admission
+            kept = self.hit_blocks(ask.hashes, ask.hit_tokens)  # the hit's window, all on device, or None
+            if kept is None:
+                return None
+            cached = ask.hits // self.ratio
+            first = cached - len(kept)  # the positions before the hit's window are released
+            fresh: Positions = (range(cached, length),) if length > cached else ()
+            plan = _Plan(length, (range(0, first),) if first else (), (), fresh, prompt, kept, range(first, cached))
+            return length - cached + ask.reserve - (pool.num_free - pool.count_idle(kept)), plan
         if remote is None:  # computed here: the engine's one pass may end where the kind needs less
             end = None if prompt is None or ask.covered is None else min(prompt, ask.covered)
             gone = _clip(kind.admission_released(ask.window_token, end, size, self.span, prompt), length)
@@ -270,7 +281,6 @@ class LocalGroupManager:
         else:  # a handoff: the prompt was computed elsewhere
             gone = _clip(kind.released(ask.window_token, size, self.span, prompt), length)
             inflight = ()
-        pool = self.pool
         if remote is None and self.tiers is None:  # the common case: every needed block is on device
             kept = self.hit_blocks(ask.hashes, ask.hit_tokens)
             if kept is None:
@@ -324,7 +334,7 @@ class LocalGroupManager:
             if kept:
                 table[plan.window.start : plan.window.stop] = kept
             count = sum(map(len, plan.fresh))
-            new = iter(self.take(count) if count else ())
+            taken = self.take(count) if count else []
         else:
             held = plan.held
             self.pool._acquire_valid([block for _, block, where in held if where == DEVICE])
@@ -332,7 +342,9 @@ class LocalGroupManager:
             if from_host and self.tiers is not None:
                 self.tiers.acquire_host(from_host)  # before an eviction can write back into the host tier
             copied = sum(1 for *_, where in held if where != DEVICE)
-            new = iter(self.take(sum(map(len, plan.fresh)) + copied))
+            taken = self.take(sum(map(len, plan.fresh)) + copied)
+            new = iter(taken[:copied])
+            del taken[:copied]
             copies = GroupCopies()
             for position, block, where in held:
                 if where == DEVICE:
@@ -347,13 +359,13 @@ class LocalGroupManager:
                 else:
                     copies.moves.append((block, target))
         remote = plan.remote
-        moves = copies.moves if copies is not None else []
-        for r in plan.fresh:
-            for position in r:
-                target = next(new)
-                table[position] = target
-                if remote is not None:  # a handoff: the prompt's blocks come from the prefill node
-                    moves.append((remote[position], target))
+        done = 0
+        for r in plan.fresh:  # new positions, in runs
+            targets = taken[done : done + len(r)]
+            done += len(r)
+            table[r.start : r.stop] = targets
+            if remote is not None and copies is not None:  # a handoff: the prompt's blocks come from the prefill node
+                copies.moves += zip((remote[p] for p in r), targets)
         self.tables[key] = table
         self._released[key] = plan.gone
         self._prompts[key] = plan.prompt
@@ -363,7 +375,8 @@ class LocalGroupManager:
 
     def growth_short(self, key: int, total: int) -> int:
         """Blocks the group lacks to grow the sequence's table to ``total`` chain blocks. Pure."""
-        return self.table_length(total) - len(self.tables[key]) - self.pool.num_free
+        length = total if self.ratio == 1 and self.kind.table_entries is None else self.table_length(total)
+        return length - len(self.tables[key]) - self.pool.num_free
 
     def resize(self, key: int, total: int) -> None:
         """Grow (or shrink: a smaller lookahead) the table to ``total`` chain blocks; the surplus tail goes back."""
@@ -384,32 +397,37 @@ class LocalGroupManager:
         table = self.tables[key]
         gone = self._released[key]
         kind = self.kind
-        prompt = self._prompts[key]
+        size = self.block_size
         cache = cache and kind.prefix_cached
-        if cache:  # a duplicate stays private; released positions are never indexed
-            stop = kind.cached_stop(n, self.block_size, prompt)
-            self._index(self.keys(hashes), table, gone, before // self.block_size, stop)
-        now = kind.released(n, self.block_size, self.span, prompt)
-        if now and now != gone:
-            self._release_more(key, table, gone, now)
+        if kind.leading and (not gone or (len(gone) == 1 and not gone[0].start)):  # one leading run, longer now
+            done = gone[0].stop if gone else 0
+            if cache:  # a duplicate stays private; released positions are never indexed
+                first_new = before // size
+                stop = kind.cached_stop(n, size, self._prompts[key])
+                if stop > first_new:
+                    self.index.insert_run(self.keys(hashes), table, first_new if first_new > done else done, stop)
+            first = kind.first_needed(n, size, self.span)
+            if first > done:
+                leaving = table[done:first]  # unless a role cut them back, none is released yet
+                if PLACEHOLDER in leaving:
+                    leaving = [b for b in leaving if b != PLACEHOLDER]
+                self.pool._release_valid(leaving)  # oldest first: they leave the window in that order
+                table[done:first] = [PLACEHOLDER] * (first - done)
+                self._released[key] = (range(0, first),)
+        else:
+            prompt = self._prompts[key]
+            if cache:
+                self._index(self.keys(hashes), table, gone, before // size, kind.cached_stop(n, size, prompt))
+            now = kind.released(n, size, self.span, prompt)
+            if now and now != gone:
+                self._release_more(key, table, gone, now)
         tiers = self.tiers
         if cache and tiers is not None and tiers.writes_through:
-            size = self.block_size
             tiers.written(self.index.block_of, self.keys(hashes), before // size, n // size)
 
     def _release_more(self, key: int, table: list[int], gone: Positions, now: Positions) -> None:
         """Release the positions of ``now`` not in ``gone`` (cached blocks stay findable, idle)."""
-        first = now[0]
-        if len(now) == 1 and not first.start and (not gone or (len(gone) == 1 and not gone[0].start)):
-            done = gone[0].stop if gone else 0  # a window's case: one leading run, longer now
-            if first.stop > done:
-                leaving = table[done : first.stop]  # unless a role cut them back, none is released yet
-                if PLACEHOLDER in leaving:
-                    leaving = [b for b in leaving if b != PLACEHOLDER]
-                self.pool._release_valid(leaving)  # oldest first: they leave the window in that order
-                table[done : first.stop] = [PLACEHOLDER] * (first.stop - done)
-                self._released[key] = now
-        elif not covers(gone, now):
+        if not covers(gone, now):
             leaving = []
             for r in minus(now, gone):
                 leaving += [b for b in table[r.start : r.stop] if b != PLACEHOLDER]

@@ -32,6 +32,7 @@ class RetainedPrefixWindow(KindRules):
     spanned = True
     releases = True
     local = True
+    leading = False  # the gap between the prompt and the window
 
     def next_move(self, next_token: int, block_size: int, span: int) -> int:
         # the window's first block moves here (the sliding window's token); whether it leaves the prompt

@@ -113,6 +113,10 @@ class KindRules:
     * ``releases``: a running sequence gives blocks back as its window moves;
     * ``local``: its groups are local groups (:class:`~kvblocks.core.groups.local_group.LocalGroup`): a pool,
       a flat index and a table per sequence beside full attention;
+    * ``leading``: what a running sequence releases is one leading run, the positions before
+      :meth:`first_needed` (the default :meth:`released`): a manager then keeps it as one count;
+    * ``one_pass``: an admission leaves more positions than :meth:`released` at the hit (the default
+      :meth:`admission_released` leaves exactly those);
     * ``event_kind``: the wire kind its events carry, for a kind that is not built in.
 
     Formulas that depend on the sequence take ``prompt``: the tokens it knew when admitted (None: unknown).
@@ -124,6 +128,10 @@ class KindRules:
     prefix_cached: ClassVar[bool] = True
     releases: ClassVar[bool] = False
     local: ClassVar[bool] = False
+    leading: ClassVar[bool] = True
+    one_pass: ClassVar[bool] = False
+    table_entries: ClassVar[int | None] = None
+    """A sequence's table entries whatever its length (a ring: 1); None: one entry per block position."""
     event_kind: ClassVar[str | None] = None
     """The kind KV events name (:data:`kvblocks.events.EVENT_GROUP_KINDS`, a fixed wire vocabulary): None
     for a built-in kind (its own name); a new kind names the built-in one a consumer should treat it as."""
@@ -183,8 +191,9 @@ class KindRules:
         return committed // block_size
 
     def table_length(self, positions: int) -> int:
-        """A sequence's table length when its tokens span ``positions`` block positions. Default: one per position."""
-        return positions
+        """A sequence's table length when its tokens span ``positions`` block positions: one entry per position,
+        or :attr:`table_entries` whatever the length."""
+        return positions if self.table_entries is None else self.table_entries
 
     # ------------------------------------------------------------------ prefix hits
 

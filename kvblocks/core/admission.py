@@ -41,6 +41,20 @@ _NO_BLOCKS: list[int] = []  # the host blocks of an untiered hit (never changed)
 class Admission:
     """The admissions of one manager: over its ``groups`` (group 0 and those beside it) and ``tiers``."""
 
+    __slots__ = (
+        "_beside",
+        "_block_size",
+        "_caching",
+        "_crosses",
+        "_drop_last",
+        "_full",
+        "_groups",
+        "_pool",
+        "_reserve",
+        "_tiers",
+        "_tree",
+    )
+
     def __init__(self, config: CacheConfig, groups: GroupCoordinator, tiers: Tiering | None) -> None:
         self._block_size = config.block_size
         self._caching = config.enable_prefix_caching
@@ -165,7 +179,8 @@ class Admission:
         if host:
             self._tiering().stacks[0].acquire_host(host)  # before an eviction can write back into the host tier
         if need:
-            matched += self._full.take(need)
+            pool = self._pool
+            matched += pool.take_fresh(need) if need <= pool.num_fresh else self._full.take(need)
         s.table = matched
         s.view = BlockTable(matched, hits * size)
         s.num_covered = covered

@@ -509,8 +509,11 @@ class KVCacheManager(GroupCalls, TierCalls):
         if s.table is None:
             return
         tiers = self._tiers
-        if tiers is None:
-            self._groups.release(s)
+        if tiers is None:  # every group releases at once
+            if self._beside is not None:
+                self._beside.release(s)
+            else:
+                self._full.release(s)
         else:  # a copy in flight into its blocks, or a save of them, holds their release until its plan completes
             admission, deferred = tiers.leave(s)
             if admission is not None:  # its hits are final now: what was on device
@@ -576,7 +579,7 @@ class KVCacheManager(GroupCalls, TierCalls):
         if tiers is not None:
             tiers.check(self._block_size, self._groups.device_block_of)
         if self._role is not None:
-            self._role.check()
+            self._role.check(self)
 
     def _window_tokens(self, s: _Sequence) -> int:
         """The token the windows of ``s`` are placed at: its committed line, or the hit a pending admission

@@ -2,8 +2,9 @@
 
 A role is a component (:mod:`kvblocks.disagg`): it owns the request states that span nodes (a
 prefill node's handoffs in flight, a decode node's prompts being received) and adds its own calls
-(``finish_prefill``, ``accept_handoff``, ...). The manager asks it only these questions, at the
-points where a sequence may change or leave.
+(``finish_prefill``, ``accept_handoff``, ...), each given the manager it acts on. The manager asks it
+only these questions, at the points where a sequence may change or leave. A role keeps no reference to
+its manager, so a manager is freed as soon as it is dropped (no cycle for the collector to find).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class Role(Protocol):
         """The token the windows of admitted ``s`` are placed at (its committed line, unless the role says)."""
         ...
 
-    def check(self) -> None:
-        """Raise :class:`~kvblocks.errors.IntegrityError` on any broken invariant of the role's state."""
+    def check(self, manager: Any) -> None:
+        """Raise :class:`~kvblocks.errors.IntegrityError` on any broken invariant of the role's state in
+        ``manager``."""
         ...
 
 

@@ -85,17 +85,16 @@ class DecodeCounters:
 
 
 class DecodeRole:
-    """The decode role of ``manager``: the prompts being received, each request's usage, the growth reserve."""
+    """The decode role of a manager: the prompts being received, each request's usage, the growth reserve."""
 
     name = "decode"
 
     def __init__(self, manager: DecodeManager, disagg: DisaggConfig) -> None:
         self.layout = handoff_layout(manager)  # what a handoff must carry; refuses a layout it cannot carry
-        self._m = manager
         self.reserve_per_sequence = disagg.reserve_blocks_per_sequence
         config = manager.config
         self.key_space = Namespace.of(config.namespace).tag(config.hash_scheme, config.block_size)
-        self.receiving: set[Hashable] = set()
+        self.receiving: dict[Hashable, int] = {}  # sequence -> id(_Sequence), while its prompt's KV arrives
         self.usage: dict[Hashable, CachedTokens] = {}
         self.counters = DecodeCounters()
         manager._decode = self
@@ -117,17 +116,16 @@ class DecodeRole:
 
     def window_token(self, s: _Sequence) -> int:
         """A sequence still receiving its prompt holds the windows at the prompt's end already."""
-        seqs = self._m._seqs
-        if any(seqs.get(seq_id) is s for seq_id in self.receiving):
+        if id(s) in self.receiving.values():
             return max(s.num_committed, s.content.num_tokens)
         return s.num_committed
 
-    def check(self) -> None:
+    def check(self, m: KVCacheManager) -> None:
         """Receiving sequences are admitted; usage figures are sound."""
-        seqs = self._m._seqs
+        seqs = m._seqs
         for seq_id in self.receiving:
             s = seqs.get(seq_id)
-            if s is None or s.table is None:
+            if s is None or s.table is None or id(s) != self.receiving[seq_id]:
                 raise IntegrityError(f"receiving sequence {seq_id!r} has no table")
         for seq_id, cached in self.usage.items():
             if seq_id not in seqs or cached.total > cached.num_prompt_tokens:
@@ -135,15 +133,15 @@ class DecodeRole:
 
     # ------------------------------------------------------------------ its own calls
 
-    @property
-    def num_running(self) -> int:
-        return sum(1 for s in self._m._seqs.values() if s.table is not None)
+    @staticmethod
+    def num_running(m: KVCacheManager) -> int:
+        return sum(1 for s in m._seqs.values() if s.table is not None)
 
-    def _check_compatible(self, handoff: PrefillHandoff) -> None:
+    def _check_compatible(self, m: KVCacheManager, handoff: PrefillHandoff) -> None:
         if not isinstance(handoff, PrefillHandoff):
             raise HandoffError(f"expected a PrefillHandoff, got {type(handoff).__name__}")
         handoff.validate()  # the format version among the rest: 1, or 2 with per-group tables
-        config = self._m.config
+        config = m.config
         if handoff.scheme != config.hash_scheme or handoff.block_size != config.block_size:
             raise HandoffError(
                 f"handoff from a {handoff.scheme} / block size {handoff.block_size} node; "
@@ -158,11 +156,10 @@ class DecodeRole:
             )
 
     def accept(
-        self, handoff: PrefillHandoff, token_ids: Iterable[int], extras: BlockExtras | None
+        self, m: KVCacheManager, handoff: PrefillHandoff, token_ids: Iterable[int], extras: BlockExtras | None
     ) -> DecodeAdmission | None:
         """See :meth:`DecodeManager.accept_handoff`."""
-        self._check_compatible(handoff)
-        m = self._m
+        self._check_compatible(m, handoff)
         seq_id = handoff.seq_id
         if seq_id in m._seqs:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is already registered on this decode node")
@@ -176,7 +173,7 @@ class DecodeRole:
         kept = len(matched)  # the table grows from this list: count it first
         hit: tuple[int, list[int], list[int], int] = (kept, matched, [], 0)
         hits = kept * m.block_size
-        reserve = self.reserve_per_sequence * (self.num_running + 1)
+        reserve = self.reserve_per_sequence * (self.num_running(m) + 1)
         remotes = [group.blocks for group in handoff.groups]
         short, beside = admission.prepare(
             s, hit, prompt - hits, 0, admitting=True, reserve=reserve, window_token=prompt, remotes=remotes
@@ -187,7 +184,7 @@ class DecodeRole:
         m._seqs[seq_id] = s
         m._freed.pop(seq_id, None)
         copies = admission.take(s, hit, prompt - hits, 0, beside)
-        self.receiving.add(seq_id)
+        self.receiving[seq_id] = id(s)
         seeded = handoff.cached
         delta = max(0, min(hits - seeded.total, prompt - seeded.total))
         cached = CachedTokens(seeded.device + delta, seeded.host, seeded.storage, num_prompt_tokens=prompt)
@@ -209,19 +206,18 @@ class DecodeRole:
             group_transfers=(transfers, *moves),
         )
 
-    def receive_done(self, seq_id: Hashable, ok: bool) -> None:
-        m = self._m
+    def receive_done(self, m: KVCacheManager, seq_id: Hashable, ok: bool) -> None:
         if seq_id not in self.receiving:
             m._get(seq_id)
             raise SequenceStateError(f"sequence {seq_id!r} is not receiving a handoff")
-        self.receiving.discard(seq_id)
+        del self.receiving[seq_id]
         if not ok:
             m.free(seq_id)
             return
         m.commit(seq_id, m.num_tokens(seq_id))
 
-    def request_usage(self, seq_id: Hashable) -> RequestUsage:
-        self._m._get(seq_id)
+    def request_usage(self, m: KVCacheManager, seq_id: Hashable) -> RequestUsage:
+        m._get(seq_id)
         cached = self.usage.get(seq_id)
         if cached is None:
             raise SequenceStateError(f"sequence {seq_id!r} did not arrive through a handoff")
@@ -265,7 +261,7 @@ class DecodeManager(KVCacheManager):
     @property
     def num_running(self) -> int:
         """Admitted sequences (receiving ones included): each is owed its growth reserve."""
-        return self._decode.num_running
+        return self._decode.num_running(self)
 
     @property
     def reserve_blocks(self) -> int:
@@ -280,7 +276,7 @@ class DecodeManager(KVCacheManager):
         ``token_ids`` is the prompt (the decode engine has it with the request); its hashes must
         be the handoff's, so a handoff can never be applied to the wrong prompt.
         """
-        return self._decode.accept(handoff, token_ids, extras)
+        return self._decode.accept(self, handoff, token_ids, extras)
 
     def is_receiving(self, seq_id: Hashable) -> bool:
         return seq_id in self._decode.receiving
@@ -290,8 +286,8 @@ class DecodeManager(KVCacheManager):
 
         ``ok=False``: the transfer failed; the sequence is dropped and its blocks return to the pool.
         """
-        self._decode.receive_done(seq_id, ok)
+        self._decode.receive_done(self, seq_id, ok)
 
     def usage(self, seq_id: Hashable) -> RequestUsage:
         """The request's cached-token figure (prefill report + decode-side hit beyond it)."""
-        return self._decode.request_usage(seq_id)
+        return self._decode.request_usage(self, seq_id)

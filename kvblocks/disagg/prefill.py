@@ -52,13 +52,12 @@ def handoff_layout(manager: KVCacheManager) -> tuple[tuple[str, int], ...]:
 
 
 class PrefillRole:
-    """The prefill role of ``manager``: the handoffs in flight and each request's first admission's hits."""
+    """The prefill role of a manager: the handoffs in flight and each request's first admission's hits."""
 
     name = "prefill"
 
     def __init__(self, manager: PrefillManager, disagg: DisaggConfig) -> None:
         handoff_layout(manager)  # refuses a layout a handoff cannot carry, before any request
-        self._m = manager
         config = manager.config
         self.key_space = Namespace.of(config.namespace).tag(config.hash_scheme, config.block_size)
         self.first_cached: dict[Hashable, CachedTokens] = {}
@@ -87,9 +86,8 @@ class PrefillRole:
     def window_token(self, s: _Sequence) -> int:
         return s.num_committed
 
-    def check(self) -> None:
+    def check(self, m: KVCacheManager) -> None:
         """A sequence being handed off still holds every block and state its handoff names, in every group."""
-        m = self._m
         for seq_id, handoff in self.transferring.items():
             s = m._seqs.get(seq_id)
             if s is None or s.table is None or tuple(s.table[: len(handoff.source_blocks)]) != handoff.source_blocks:
@@ -102,8 +100,7 @@ class PrefillRole:
 
     # ------------------------------------------------------------------ its own calls
 
-    def finish_prefill(self, seq_id: Hashable) -> PrefillHandoff:
-        m = self._m
+    def finish_prefill(self, m: KVCacheManager, seq_id: Hashable) -> PrefillHandoff:
         s = m._get(seq_id)
         if seq_id in self.transferring:
             raise SequenceStateError(f"sequence {seq_id!r} was already handed off")
@@ -136,12 +133,12 @@ class PrefillRole:
         self.transferring[seq_id] = handoff
         return handoff
 
-    def transfer_done(self, seq_id: Hashable) -> None:
+    def transfer_done(self, m: KVCacheManager, seq_id: Hashable) -> None:
         if seq_id not in self.transferring:
-            self._m._get(seq_id)  # unknown -> UnknownSequenceError
+            m._get(seq_id)  # unknown -> UnknownSequenceError
             raise SequenceStateError(f"sequence {seq_id!r} is not being transferred")
         del self.transferring[seq_id]
-        self._m.free(seq_id)
+        m.free(seq_id)
 
 
 class PrefillManager(KVCacheManager):
@@ -172,7 +169,7 @@ class PrefillManager(KVCacheManager):
     def finish_prefill(self, seq_id: Hashable) -> PrefillHandoff:
         """The prompt's KV is written: describe every group's part of it for the decode node. The blocks stay
         held until :meth:`transfer_done`."""
-        return self._prefill.finish_prefill(seq_id)
+        return self._prefill.finish_prefill(self, seq_id)
 
     def is_transferring(self, seq_id: Hashable) -> bool:
         return seq_id in self._prefill.transferring
@@ -183,4 +180,4 @@ class PrefillManager(KVCacheManager):
 
     def transfer_done(self, seq_id: Hashable) -> None:
         """The decode node has the KV (or gave up on it): free the sequence's blocks into the cache (and its tiers)."""
-        self._prefill.transfer_done(seq_id)
+        self._prefill.transfer_done(self, seq_id)

@@ -36,17 +36,16 @@ class TierStack:
     """Group ``number``'s host tier and storage tier (each optional) and what moves between them.
 
     ``plan`` is the group's part of the open step plan, set by whoever opens plans; ``counts`` are
-    shared by every stack of a manager; ``on_change`` (None without an event sink) is called after a
-    call that changed a tier, to publish its events.
+    shared by every stack of a manager; with ``events`` a call that changed a tier publishes its events.
     """
 
     __slots__ = (
         "counts",
+        "events",
         "host",
         "host_back",
         "host_through",
         "number",
-        "on_change",
         "plan",
         "save_back",
         "save_through",
@@ -76,7 +75,9 @@ class TierStack:
         self.writes_through = self.host_through or self.save_through
         self.counts = counts
         self.plan = _GroupPlan()
-        self.on_change: Callable[[], None] | None = None
+        self.events = (host is not None and host.events is not None) or (
+            storage is not None and storage.events is not None
+        )
 
     # ------------------------------------------------------------------ what the tiers hold
 
@@ -145,8 +146,8 @@ class TierStack:
                     self.counts.write_backs_without_host_room += 1
             if self.save_back:
                 self.plan_save("device", block, block_hash)
-        if self.on_change is not None:
-            self.on_change()
+        if self.events:
+            self.publish()
 
     def written(
         self, block_of: Callable[[BlockHash], int | None], keys: Sequence[BlockHash], start: int, stop: int
@@ -163,8 +164,8 @@ class TierStack:
                 self.counts.write_backs_without_host_room += 1
             if self.save_through:
                 self.plan_save("device", block, block_hash)
-        if self.on_change is not None:
-            self.on_change()
+        if self.events:
+            self.publish()
 
     def copy_to_host(self, block: int, block_hash: BlockHash) -> bool:
         """Plan a swap-out of device ``block`` into a host block (an evicted host entry is saved first)."""

@@ -99,8 +99,6 @@ class Tiering:
         plan = _Plan(plan_id, len(self.stacks))
         for stack, part in zip(self.stacks, plan.groups, strict=True):
             stack.plan = part
-            if self.events:
-                stack.on_change = self.publish
         return plan
 
     # ------------------------------------------------------------------ queries

@@ -143,3 +143,31 @@ def test_the_previous_names_build_the_one_manager_and_answer_isinstance_by_parts
     assert not isinstance(facade(8, 4), preset)  # a manager without the parts is not one
     m.close()
     built.close()
+
+
+@pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("tiered", [False, True])
+def test_a_dropped_manager_is_freed_at_once_whatever_its_parts(role: str, hybrid: bool, tiered: bool) -> None:
+    """No part keeps a reference back to its manager (a role gets the manager with each call), so a manager an
+    engine drops is freed by reference counting alone, as a cache of many blocks should be."""
+    import gc
+    import weakref
+
+    from kvblocks.events import EventSink
+
+    tiers = TierConfig(num_host_blocks=4) if tiered else None
+    groups = [LocalGroup("sliding_window", span=6, num_blocks=8)] if hybrid else []
+    m = manager_for_role(CacheConfig(8, 4), DisaggConfig(role=role), tiers=tiers, groups=groups, event_sink=EventSink())
+    m.add_sequence("a", list(range(9)))
+    if role != "decode":
+        assert m.allocate("a", 9) is not None
+    gone = weakref.ref(m)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del m
+        assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()

@@ -232,7 +232,7 @@ class StepMetadataBuilder:
         full = self._full
         copied = full.copied
         last = full.last
-        locals_ = [(g, g.local.tables, g.local.released_positions, g.copied, g.last, g.cleared) for g in self._locals]
+        locals_ = [(g, g.local.tables, g.local.released, g.copied, g.last, g.cleared) for g in self._locals]
         rows: list[int] = []
         starts: list[int] = []
         queries: list[int] = []
@@ -258,7 +258,7 @@ class StepMetadataBuilder:
                 key = id(s)
                 for group, tables, released, done, ends, cleared in locals_:
                     local_table = tables[key]
-                    gone = released(key)
+                    gone = released[key]
                     if len(local_table) != done[row] or local_table[-1] != ends[row] or gone is not cleared[row]:
                         group.sync(row, local_table, gone)
             rows.append(row)

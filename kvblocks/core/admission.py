@@ -92,8 +92,9 @@ class Admission:
         tiers = self._tiers
         if tiers is None:
             return CachedTokens(device=self.match_length(s) * size, num_prompt_tokens=prompt)
-        _, device, host, loads = self._tier_hit(tiers, s, None, None)
-        return CachedTokens(len(device) * size, len(host) * size, loads * size, num_prompt_tokens=prompt)
+        hit, _, host, loads = self._tier_hit(tiers, s, None, None, blocks=False)
+        device = hit - len(host) - loads
+        return CachedTokens(device * size, len(host) * size, loads * size, num_prompt_tokens=prompt)
 
     def hit(self, seq_id: Hashable, s: _Sequence, expected: int | None) -> Hit:
         """The hit an admission of ``s`` takes now (``expected``: exactly that many blocks, the caller's lookup):
@@ -106,15 +107,21 @@ class Admission:
             del matched[expected:]
         return len(matched), matched, _NO_BLOCKS, 0
 
-    def _tier_hit(self, tiers: Tiering, s: _Sequence, seq_id: Hashable, expected: int | None) -> Hit:
+    def _tier_hit(
+        self, tiers: Tiering, s: _Sequence, seq_id: Hashable, expected: int | None, blocks: bool = True
+    ) -> Hit:
         """:meth:`hit` through tiers: the hit every group serves from device or its tiers. Pure; no I/O."""
         if not self._caching or s.skip_read:
             return 0, [], _NO_BLOCKS, 0
         content = s.content
         hashes = content.hashes
         limit = self.cacheable_blocks(content.num_tokens)
-        matched = self._tree.matched_blocks(hashes, limit)
-        device = len(matched)
+        if blocks:
+            matched = self._tree.matched_blocks(hashes, limit)
+            device = len(matched)
+        else:  # a lookup counts them only (their blocks stand for themselves)
+            device = self._tree.match_length(hashes, limit)
+            matched = _NO_BLOCKS
         stack = tiers.stacks[0]
         host = stack.host_run(hashes, device, limit)
         hit = device + len(host)
@@ -127,7 +134,8 @@ class Admission:
             self._check_expected(seq_id, expected, hit)
             hit = expected
         if device > hit:
-            del matched[hit:]
+            if blocks:
+                del matched[hit:]
             device = hit
         host = host[: hit - device]
         return hit, matched, host, hit - device - len(host)

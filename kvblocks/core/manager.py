@@ -169,11 +169,16 @@ class KVCacheManager(GroupCalls, TierCalls):
                 raise ConfigError("tiers serve attention groups: recurrent and cross-attention groups have none")
             for local in self._locals:
                 local.require_block_per_position("a tiered manager")
-            self._tiers = Tiering(tiers, config, full.pool, self._locals, events=event_sink, tag=tag)
-            full.tiers = self._tiers.stacks[0]
+            tiering = Tiering(tiers, config, full.pool, self._locals, events=event_sink, tag=tag)
+            if tiering.holds_nothing:  # no host, no storage in any group: there is nothing below the device
+                for local in self._locals:
+                    local.tiers = None
+            else:
+                self._tiers = tiering
+                full.tiers = tiering.stacks[0]
         self._admission = Admission(config, self._groups, self._tiers)
         self._role: Role | None = role_for(self, type(self)._role_component, disagg)
-        self._guards_changes = tiers is not None or self._role is not None  # the step checks every entry then
+        self._guards_changes = self._tiers is not None or self._role is not None  # the step checks every entry then
 
     # ------------------------------------------------------------------ properties
 

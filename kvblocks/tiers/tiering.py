@@ -112,6 +112,11 @@ class Tiering:
         return self.stacks[0].storage
 
     @property
+    def holds_nothing(self) -> bool:
+        """Whether no group has a host or storage tier (the configuration turned every one off)."""
+        return all(stack.host is None and stack.storage is None for stack in self.stacks)
+
+    @property
     def num_pending_loads(self) -> int:
         return len(self.loads)
 
@@ -294,13 +299,15 @@ class Tiering:
         failed_out_sets = [set(blocks) for blocks in failed_out]
         for number, part in enumerate(state.groups):
             label = "" if number == 0 else f"[{number}]"
-            if not failed_in_sets[number] <= {d for _, d, _, _ in part.swap_ins}:
+            failed = failed_in_sets[number]
+            if failed and not failed <= {d for _, d, _, _ in part.swap_ins}:
                 raise InvalidArgumentError(
-                    f"failed_swap_ins{label} {sorted(failed_in_sets[number])} are not swap-in targets of this plan"
+                    f"failed_swap_ins{label} {sorted(failed)} are not swap-in targets of this plan"
                 )
-            if not failed_out_sets[number] <= {h for _, h, _ in part.swap_outs}:
+            failed = failed_out_sets[number]
+            if failed and not failed <= {h for _, h, _ in part.swap_outs}:
                 raise InvalidArgumentError(
-                    f"failed_swap_outs{label} {sorted(failed_out_sets[number])} are not swap-out targets of this plan"
+                    f"failed_swap_outs{label} {sorted(failed)} are not swap-out targets of this plan"
                 )
             given = saved_by[number]
             if given is not None and part.saves:
@@ -318,16 +325,18 @@ class Tiering:
                     self.stacks[number].storage_tier().save([save.block_hash for save in part.saves], given)
         reported: dict[int, _Admission] = {}
         for number, part in enumerate(state.groups):
-            stack = self.stacks[number]
+            if not (part.swap_outs or part.swap_ins):
+                continue
+            host = self.stacks[number].host_tier()
             failed = failed_out_sets[number]
             for _, host_block, block_hash in part.swap_outs:
                 ok = host_block not in failed
-                stack.host_tier().complete(block_hash, host_block, ok)
+                host.complete(block_hash, host_block, ok)
                 counts.swap_outs += ok
                 counts.swap_out_failures += not ok
             if not part.swap_ins:
                 continue
-            stack.host_tier().release([h for h, _, _, _ in part.swap_ins])
+            host.release([h for h, _, _, _ in part.swap_ins])
             failed = failed_in_sets[number]
             for _, device_block, admission, position in part.swap_ins:
                 pending = admission.part(number)
@@ -509,6 +518,8 @@ class Tiering:
 def _by_group(value: object, previous: object, what: str, groups: int, default: object) -> list[Any]:
     """One figure per group from a ``complete_transfers`` argument (``{group: figure}``, or group 0's bare)
     and the previous release's separate keyword for the groups after 0. Changes nothing."""
+    if not value and not previous:  # the common call: nothing said for any group
+        return [default] * groups
     first, others = per_group(value, what, groups, default)
     if previous:
         if others:

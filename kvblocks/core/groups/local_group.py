@@ -125,13 +125,13 @@ class LocalGroupManager:
     __slots__ = (
         "_inflight",
         "_prompts",
-        "_released",
         "block_size",
         "index",
         "kind",
         "number",
         "pool",
         "ratio",
+        "released",
         "rule",
         "span",
         "tables",
@@ -157,7 +157,9 @@ class LocalGroupManager:
         self.pool = BlockPool(group.num_blocks)
         self.index = FlatBlockIndex(self.pool, events=events, group=number, group_kind=self.kind.event_name)
         self.tables: dict[int, list[int]] = {}  # id(_Sequence) -> table
-        self._released: dict[int, Positions] = {}  # id(_Sequence) -> the positions released (PLACEHOLDER there)
+        self.released: dict[int, Positions] = {}
+        """id(sequence) -> the positions it released (PLACEHOLDER there): read it, change it through the group.
+        Replaced, not changed, when it releases more: an unchanged object means nothing was released since."""
         self._prompts: dict[int, int | None] = {}  # id(_Sequence) -> the tokens it knew when admitted
         self._inflight: dict[int, Positions] = {}  # id(_Sequence) -> positions a one-pass admission never took
         self.tiers: GroupTiers | None = None
@@ -195,11 +197,11 @@ class LocalGroupManager:
     def released_positions(self, key: int) -> Positions:
         """The positions the sequence released (its table holds :data:`PLACEHOLDER` exactly there). Replaced, not
         changed, when it releases more: an unchanged object means nothing was released since."""
-        return self._released[key]
+        return self.released[key]
 
     def is_released(self, key: int, position: int) -> bool:
         """Whether the sequence released block position ``position``."""
-        return any(position in r for r in self._released[key])
+        return any(position in r for r in self.released[key])
 
     def require_block_per_position(self, what: str) -> None:
         """Raise :class:`ConfigError` unless the kind's tables hold one entry per position: ``what`` serves only
@@ -367,7 +369,7 @@ class LocalGroupManager:
             if remote is not None and copies is not None:  # a handoff: the prompt's blocks come from the prefill node
                 copies.moves += zip((remote[p] for p in r), targets)
         self.tables[key] = table
-        self._released[key] = plan.gone
+        self.released[key] = plan.gone
         self._prompts[key] = plan.prompt
         if plan.inflight:
             self._inflight[key] = plan.inflight
@@ -395,7 +397,7 @@ class LocalGroupManager:
         """The sequence committed from ``before`` to ``n`` tokens: cache its newly full blocks (when ``cache``),
         then release what no token from ``n`` on attends to (cached if committed)."""
         table = self.tables[key]
-        gone = self._released[key]
+        gone = self.released[key]
         kind = self.kind
         size = self.block_size
         cache = cache and kind.prefix_cached
@@ -413,7 +415,7 @@ class LocalGroupManager:
                     leaving = [b for b in leaving if b != PLACEHOLDER]
                 self.pool._release_valid(leaving)  # oldest first: they leave the window in that order
                 table[done:first] = [PLACEHOLDER] * (first - done)
-                self._released[key] = (range(0, first),)
+                self.released[key] = (range(0, first),)
         else:
             prompt = self._prompts[key]
             if cache:
@@ -433,7 +435,7 @@ class LocalGroupManager:
                 leaving += [b for b in table[r.start : r.stop] if b != PLACEHOLDER]
                 table[r.start : r.stop] = [PLACEHOLDER] * len(r)
             self.pool._release_valid(leaving)
-            self._released[key] = union(gone, now)
+            self.released[key] = union(gone, now)
 
     def _index(self, keys: Sequence[BlockHash], table: list[int], gone: Positions, start: int, stop: int) -> None:
         """Index the held positions of ``[start, stop)``."""
@@ -448,7 +450,7 @@ class LocalGroupManager:
     def release(self, key: int, defer: list[list[int]] | None = None) -> None:
         """The sequence leaves: the blocks it still holds go back, tail first (into ``defer`` instead, when a
         copy in flight still writes into them: released when that copy is reported)."""
-        gone = self._released.pop(key)
+        gone = self.released.pop(key)
         self._prompts.pop(key)
         self._inflight.pop(key, None)
         table = self.tables.pop(key)
@@ -465,7 +467,7 @@ class LocalGroupManager:
         (never committed) goes back, the positions the kind releases there first, then the tail."""
         table = self.tables[key]
         end = self.table_length(hit)
-        had = self._released[key]
+        had = self.released[key]
         tokens = hit * chain_block_size
         gone = _clip(union(had, self.kind.released(tokens, self.block_size, self.span, self._prompts[key])), end)
         leaving = [table[p] for r in minus(gone, had) for p in r if table[p] != PLACEHOLDER]
@@ -475,7 +477,7 @@ class LocalGroupManager:
             table[r.start : r.stop] = [PLACEHOLDER] * len(r)
         self.pool._release_valid(leaving)
         self.pool._release_valid(dropped)
-        self._released[key] = gone
+        self.released[key] = gone
         inflight = _clip(self._inflight.pop(key, ()), end)
         if inflight:
             self._inflight[key] = inflight
@@ -484,7 +486,7 @@ class LocalGroupManager:
         """An admission's copies landed: the blocks it holds below ``committed`` tokens become findable."""
         if self.kind.prefix_cached:
             stop = self.kind.cached_stop(committed, self.block_size, self._prompts[key])
-            self._index(self.keys(hashes), self.tables[key], self._released[key], 0, stop)
+            self._index(self.keys(hashes), self.tables[key], self.released[key], 0, stop)
 
     # ------------------------------------------------------------------ checks
 
@@ -500,16 +502,16 @@ class LocalGroupManager:
         if not self.kind.prefix_cached and len(self.index):
             raise IntegrityError(f"group {number} is never prefix-cached but its index holds blocks")
         expected = [0] * pool.num_blocks
-        if not set(self.tables) == set(live) == set(self._released) == set(self._prompts) >= set(self._inflight):
+        if not set(self.tables) == set(live) == set(self.released) == set(self._prompts) >= set(self._inflight):
             raise IntegrityError(f"group {number} has tables for other sequences than the admitted ones")
         for key, table in self.tables.items():
             seq_id, chain_blocks, window_token = live[key]
             if len(table) != self.table_length(chain_blocks):
                 raise IntegrityError(f"group {number}: {seq_id!r}'s table has {len(table)} positions")
             gone = _placeholders(table)
-            if gone != self._released[key]:
+            if gone != self.released[key]:
                 raise IntegrityError(
-                    f"group {number}: {seq_id!r} released {self._released[key]}, its table is {PLACEHOLDER} at {gone}"
+                    f"group {number}: {seq_id!r} released {self.released[key]}, its table is {PLACEHOLDER} at {gone}"
                 )
             now = self.kind.released(window_token, self.block_size, self.span, self._prompts[key])
             lost = minus(gone, union(now, self._inflight.get(key, ())))

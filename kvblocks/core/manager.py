@@ -163,19 +163,7 @@ class KVCacheManager(GroupCalls, TierCalls):
         self._freed: OrderedDict[Hashable, None] = OrderedDict()
         self._counters = HitCounters()
         self.tiers = tiers  # the host and storage tiers' configuration (None: device blocks only)
-        self._tiers: Tiering | None = None
-        if tiers is not None:
-            if self._recurrents or self._crosses:
-                raise ConfigError("tiers serve attention groups: recurrent and cross-attention groups have none")
-            for local in self._locals:
-                local.require_block_per_position("a tiered manager")
-            tiering = Tiering(tiers, config, full.pool, self._locals, events=event_sink, tag=tag)
-            if tiering.holds_nothing:  # no host, no storage in any group: there is nothing below the device
-                for local in self._locals:
-                    local.tiers = None
-            else:
-                self._tiers = tiering
-                full.tiers = tiering.stacks[0]
+        self._tiers = None if tiers is None else Tiering.under(self._groups, tiers, config, events=event_sink, tag=tag)
         self._admission = Admission(config, self._groups, self._tiers)
         self._role: Role | None = role_for(self, type(self)._role_component, disagg)
         self._guards_changes = self._tiers is not None or self._role is not None  # the step checks every entry then
@@ -359,7 +347,8 @@ class KVCacheManager(GroupCalls, TierCalls):
         k = num_lookahead_tokens
         if k and (type(k) is not int or k < 0):
             k = _count_arg(k, "num_lookahead_tokens")
-        self._check_can_change(seq_id, s, "grow")
+        if self._guards_changes:
+            self._check_can_change(seq_id, s, "grow")
         if s.table is None:
             return self._admit(seq_id, s, n, k, self._admission.expected(num_cached_tokens))
         if num_cached_tokens is not None:
@@ -423,7 +412,8 @@ class KVCacheManager(GroupCalls, TierCalls):
         """Raise unless ``commit(seq_id, n)`` is valid once ``appended`` more tokens are known."""
         if s.table is None:
             raise SequenceStateError(f"sequence {seq_id!r} is not admitted: allocate before commit")
-        self._check_can_change(seq_id, s, "commit")
+        if self._guards_changes:
+            self._check_can_change(seq_id, s, "commit")
         known = s.content.num_tokens + appended
         slots = s.num_covered + s.lookahead
         if n < s.num_committed or n > slots or n > known:

@@ -39,11 +39,12 @@ from dataclasses import asdict
 from typing import Any
 
 from kvblocks.config import CacheConfig
+from kvblocks.core.coordinator import GroupCoordinator
 from kvblocks.core.groups.hits import longest_common_hit, needed_blocks
 from kvblocks.core.groups.local_group import LocalGroupManager
 from kvblocks.core.groups.protocol import GroupCopies
 from kvblocks.core.sequence import _Sequence
-from kvblocks.errors import IntegrityError, InvalidArgumentError
+from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError
 from kvblocks.event_codec import BlockStored
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
@@ -95,6 +96,30 @@ class Tiering:
         self.probes: dict[Hashable, list[tuple[int, int]]] = {}  # sequence -> (group, storage check) unanswered
         self.hold_for: _Sequence | None = None  # a sequence preempted with saves: its blocks wait for the plan
 
+    @classmethod
+    def under(
+        cls,
+        groups: GroupCoordinator,
+        tiers: TierConfig,
+        config: CacheConfig,
+        *,
+        events: EventSink | None,
+        tag: tuple[int | None, str | None],
+    ) -> Tiering | None:
+        """The tiers under a manager's ``groups``, each attention group given its stack; None when they hold
+        nothing (no host, no storage in any group: there is nothing below the device)."""
+        if groups.recurrents or groups.crosses:
+            raise ConfigError("tiers serve attention groups: recurrent and cross-attention groups have none")
+        for local in groups.locals:
+            local.require_block_per_position("a tiered manager")
+        tiering = cls(tiers, config, groups.full.pool, groups.locals, events=events, tag=tag)
+        if all(stack.host is None and stack.storage is None for stack in tiering.stacks):
+            for local in groups.locals:
+                local.tiers = None
+            return None
+        groups.full.tiers = tiering.stacks[0]
+        return tiering
+
     def _new_plan(self, plan_id: int) -> _Plan:
         plan = _Plan(plan_id, len(self.stacks))
         for stack, part in zip(self.stacks, plan.groups, strict=True):
@@ -110,11 +135,6 @@ class Tiering:
     @property
     def storage(self) -> StorageTier | None:
         return self.stacks[0].storage
-
-    @property
-    def holds_nothing(self) -> bool:
-        """Whether no group has a host or storage tier (the configuration turned every one off)."""
-        return all(stack.host is None and stack.storage is None for stack in self.stacks)
 
     @property
     def num_pending_loads(self) -> int:

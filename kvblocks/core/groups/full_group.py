@@ -49,7 +49,8 @@ class FullAttentionGroup:
 
     def take(self, count: int) -> list[int]:
         """``count`` fresh blocks, evicting idle leaves (written back when the group has tiers)."""
-        return take_blocks(self.pool, self.tree, self.tiers, count)
+        pool = self.pool
+        return pool.take_fresh(count) if count <= len(pool._fresh) else take_blocks(pool, self.tree, self.tiers, count)
 
     # ------------------------------------------------------------------ commit
 

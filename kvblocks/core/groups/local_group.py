@@ -190,7 +190,8 @@ class LocalGroupManager:
 
     def take(self, count: int) -> list[int]:
         """``count`` fresh blocks, evicting idle cached ones (written back when the group has tiers)."""
-        return take_blocks(self.pool, self.index, self.tiers, count)
+        pool = self.pool
+        return pool.take_fresh(count) if count <= len(pool._fresh) else take_blocks(pool, self.index, self.tiers, count)
 
     # ------------------------------------------------------------------ a sequence's positions
 

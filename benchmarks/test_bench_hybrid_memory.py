@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kvblocks import KVCacheManager
 from kvblocks.hybrid import HybridKVCacheManager, LocalGroup, hybrid_preset
-from tests.test_hybrid_memory import held_blocks, serve
+from tests.support.held_blocks import held_blocks, serve
 
 CONTEXT = 32768
 CHUNK = 2048

@@ -1,14 +1,11 @@
-"""Shared test settings and helpers: a full snapshot of a manager's observable state."""
+"""Shared test settings and fixtures (the helpers tests share are in tests/support/)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 from hypothesis import settings
-
-from kvblocks import KVCacheManager
 
 # No per-example deadline: CI machines are shared and slow at times; a slow example is not a failure.
 settings.register_profile("kvblocks", deadline=None, print_blob=True)
@@ -22,7 +19,7 @@ def redis_url():
     if url:
         yield url
         return
-    from .redis_server import RedisServer
+    from .support.redis_server import RedisServer
 
     try:
         server = RedisServer().start()
@@ -37,7 +34,7 @@ def redis_url():
 @pytest.fixture
 def private_redis():
     """A Redis server of the test's own, which it may kill and restart."""
-    from .redis_server import RedisServer
+    from .support.redis_server import RedisServer
 
     try:
         server = RedisServer().start()
@@ -59,35 +56,3 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
-
-
-def assert_unchanged(m: KVCacheManager, before: dict[str, Any]) -> None:
-    """An error path left everything as it was, statistics included, and every invariant holds."""
-    assert manager_snapshot(m) == before
-    m.check_integrity()
-
-
-def manager_snapshot(m: KVCacheManager) -> dict[str, Any]:
-    """Everything an error path must leave untouched: pool states and orders, tree, sequences, stats."""
-    pool, tree = m.pool, m.tree
-    seqs = {}
-    for seq_id, s in m._seqs.items():
-        seqs[seq_id] = (
-            s.content.num_tokens,
-            tuple(s.content.hashes),
-            None if s.table is None else tuple(s.table),
-            dict(s.pins or {}),
-            s.num_covered,
-            s.num_committed,
-            s.preempted,
-        )
-    return {
-        "refs": [pool.ref_count(b) for b in range(pool.num_blocks)],
-        "fresh": list(pool.fresh_order()),
-        "idle": list(pool.idle_lru()),
-        "tree": {
-            b: (tree.hash_of(b), tree.parent_of(b)) for b in range(pool.num_blocks) if tree.hash_of(b) is not None
-        },
-        "seqs": seqs,
-        "stats": m.stats,
-    }

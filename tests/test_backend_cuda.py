@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvblocks.backends import CPUBackend, KVCacheSpec, attach_shared, get_backend, publish_shared
-from tests.examples import load_example
+from tests.support.examples import load_example
 
 pytestmark = pytest.mark.cuda
 

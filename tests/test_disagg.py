@@ -28,10 +28,10 @@ from kvblocks import (
     UnknownSequenceError,
     manager_for_role,
 )
-from tests.conftest import assert_unchanged as _assert_unchanged
-from tests.conftest import manager_snapshot
-from tests.test_trace_replay import BLOCK as TRACE_BLOCK
-from tests.test_trace_replay import load as load_trace
+from tests.support.mooncake import BLOCK as TRACE_BLOCK
+from tests.support.mooncake import load as load_trace
+from tests.support.snapshots import assert_unchanged as _assert_unchanged
+from tests.support.snapshots import manager_snapshot
 
 B = 4
 

@@ -30,8 +30,8 @@ import torch
 
 from kvblocks import CachedTokens, DecodeManager, PrefillHandoff, PrefillManager, RequestUsage
 from kvblocks.backends.registry import get_backend
-from tests.conftest import manager_snapshot
-from tests.examples import load_example
+from tests.support.examples import load_example
+from tests.support.snapshots import manager_snapshot
 
 tiny = load_example("tiny_model")
 

@@ -1,6 +1,6 @@
 """Prefill and decode roles over host and storage tiers (TieredPrefillManager, TieredDecodeManager).
 
-Every node runs under :class:`tests.tier_sim.SimEngine`, whose block "KV" is derived from the
+Every node runs under :class:`tests.support.tier_sim.SimEngine`, whose block "KV" is derived from the
 block's hash, so a test can check that every block a node calls cached -- on device, in host
 memory, in storage, or received through a handoff -- holds the KV of the prefix it names.
 """
@@ -29,7 +29,7 @@ from kvblocks import (
     manager_for_role,
 )
 from kvblocks.tiers import MemoryStorage, TierConfig, TieredKVCacheManager
-from tests.tier_sim import FORMAT, GARBAGE, SimEngine, content_of
+from tests.support.tier_sim import FORMAT, GARBAGE, SimEngine, content_of
 
 B = 4
 SYSTEM = list(range(500, 512))  # 3 full blocks

@@ -24,7 +24,7 @@ from kvblocks.backends.registry import get_backend
 from kvblocks.hashing import DEFAULT_SCHEME
 from kvblocks.tiers import EntryFormat, FileStorage, LoadResult, TierConfig, TieredKVCacheManager
 from kvblocks.tiers.executor import TransferExecutor
-from tests.examples import load_example
+from tests.support.examples import load_example
 
 tiny = load_example("tiny_model")
 

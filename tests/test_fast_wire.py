@@ -36,7 +36,7 @@ from kvblocks.events.codec import (
 )
 from kvblocks.interop.engine_wire import encode_engine_events
 from kvblocks.interop.fast_wire import encode_pending_events
-from tests.test_engine_wire_encoding import (
+from tests.support.engine_wire import (
     BAD_HASHES,
     ENCODE_ERRORS,
     INVALID,

@@ -28,8 +28,8 @@ from kvblocks.errors import ConfigError
 from kvblocks.hybrid import PLACEHOLDER, HybridDecodeManager, HybridKVCacheManager, HybridPrefillManager, LocalGroup
 from kvblocks.hybrid.cross import CrossAttentionGroup
 from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy
-from tests.conftest import manager_snapshot
-from tests.test_fuzz_decoders import byte_mutations, handoffs, json_mutations
+from tests.support.mutations import byte_mutations, handoffs, json_mutations
+from tests.support.snapshots import manager_snapshot
 
 B = 4
 WINDOW = LocalGroup("sliding_window", span=6, num_blocks=32)

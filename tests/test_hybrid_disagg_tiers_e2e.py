@@ -32,7 +32,7 @@ from kvblocks.backends.registry import get_backend
 from kvblocks.hashing import DEFAULT_SCHEME
 from kvblocks.hybrid import LocalGroup, TieredHybridDecodeManager, TieredHybridPrefillManager
 from kvblocks.tiers import EntryFormat, FileStorage, GroupTransfers, LoadResult, TierConfig
-from tests.examples import load_example
+from tests.support.examples import load_example
 
 tiny = load_example("tiny_hybrid_model")
 

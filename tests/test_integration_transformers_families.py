@@ -21,10 +21,10 @@ import transformers
 
 from kvblocks.errors import ConfigError, InvalidTokenError
 from kvblocks.integrations.transformers import ATTENTION_NAME, PagedGenerator
-from tests.test_integration_transformers import (
+from tests.support.transformers_models import (
     FAMILIES as ATTENTION_KWARGS_FAMILIES,
 )
-from tests.test_integration_transformers import (
+from tests.support.transformers_models import (
     LEARNED_POSITIONS,
     VOCAB,
     assert_matches_reference,

@@ -31,8 +31,7 @@ from kvblocks.errors import (
     SequenceStateError,
     UnknownSequenceError,
 )
-
-from .conftest import assert_unchanged, manager_snapshot
+from tests.support.snapshots import assert_unchanged, manager_snapshot
 
 
 def prefill(m: KVCacheManager, seq_id: str, tokens: list[int]) -> list[int]:

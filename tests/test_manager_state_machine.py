@@ -47,8 +47,7 @@ from kvblocks.errors import (
     StaleLookupError,
     UnknownSequenceError,
 )
-
-from .conftest import manager_snapshot
+from tests.support.snapshots import full_snapshot
 
 BLOCK = 2
 POOL = 10
@@ -79,15 +78,6 @@ class StepEntry:
     tokens: list[int]
     new: int
     lookahead: int
-
-
-def full_snapshot(m: KVCacheManager) -> dict[str, Any]:
-    """Everything observable, lookahead slots and free blocks included."""
-    snap = manager_snapshot(m)
-    snap["lookahead"] = {i: s.lookahead for i, s in m._seqs.items()}
-    snap["allocated"] = {i: m.num_allocated_tokens(i) for i in m._seqs}
-    snap["free"] = m.num_free_blocks
-    return snap
 
 
 def blocks_for(tokens: int) -> int:

@@ -20,7 +20,7 @@ from kvblocks.errors import BackendUnavailableError, InvalidArgumentError
 from kvblocks.metrics import KVBlocksCollector, RouterMetrics, exposition, start_http_server
 from kvblocks.routing import Router, RouterConfig
 from kvblocks.tiers import FileStorage, MemoryStorage, TierConfig, TieredKVCacheManager, file_storage
-from tests.tier_sim import FORMAT, SimEngine
+from tests.support.tier_sim import FORMAT, SimEngine
 
 B = 4
 

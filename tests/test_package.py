@@ -248,7 +248,13 @@ def test_the_sdist_carries_what_its_tests_need(tmp_path: Path) -> None:
     with tarfile.open(sdist) as packed:
         packed.extractall(tmp_path, filter="data")
     unpacked = tmp_path / sdist.name.removesuffix(".tar.gz")
-    for needed in ("tests/conftest.py", "tests/examples.py", "docs/index.md", "examples/quickstart.py", "LICENSE"):
+    for needed in (
+        "tests/conftest.py",
+        "tests/support/examples.py",
+        "docs/index.md",
+        "examples/quickstart.py",
+        "LICENSE",
+    ):
         assert (unpacked / needed).is_file(), needed
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", "tests", "benchmarks"],

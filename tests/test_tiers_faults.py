@@ -2,7 +2,7 @@
 read-only disk, the writer racing the scheduler, and preemption snapshots racing block reuse.
 
 Every test drives :class:`~kvblocks.tiers.TieredKVCacheManager` the way an engine does (through
-``tests.tier_sim.SimEngine``, whose block "KV" is derived from the block hash), so a wrong byte
+``tests.support.tier_sim.SimEngine``, whose block "KV" is derived from the block hash), so a wrong byte
 anywhere -- device, host, or an entry read back from storage -- is caught by content.
 """
 
@@ -30,8 +30,7 @@ from kvblocks.tiers import (
     TransferPlan,
 )
 from kvblocks.tiers import file_storage as file_storage_module
-
-from .tier_sim import FORMAT, GARBAGE, PAYLOAD, SimEngine, content_of
+from tests.support.tier_sim import FORMAT, GARBAGE, PAYLOAD, SimEngine, content_of
 
 BLOCK = 4
 

@@ -20,7 +20,7 @@ from kvblocks.errors import (
     UnknownSequenceError,
 )
 from kvblocks.tiers import AdmittedTable, MemoryStorage, TierConfig, TieredKVCacheManager
-from tests.tier_sim import FORMAT, SimEngine, content_of
+from tests.support.tier_sim import FORMAT, SimEngine, content_of
 
 B = 4
 A = list(range(17))  # 4 full blocks + 1 token

@@ -24,7 +24,7 @@ from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.entry import HEADER, EntryFormat, StreamedChecksum, block_key
 from kvblocks.tiers.storage_tier import StorageTier
 from kvblocks.tiers.writer import BUFFER_ALIGNMENT, AsyncWriter, EntryPool, aligned_buffer
-from tests.damage import damaged
+from tests.support.damage import damaged
 
 FMT = EntryFormat("xxh3-128", "float16", (2, 2, 4, 8), 7, 2 * 2 * 4 * 8 * 2)  # 256-byte payloads
 KEY = block_key("0123456789abcdef", "xxh3-128", b"\x01" * 16, format_tag=FMT.tag)

@@ -16,8 +16,7 @@ from redis.retry import Retry
 from kvblocks.errors import BackendUnavailableError, ConfigError, InvalidArgumentError
 from kvblocks.redis_client import connect
 from kvblocks.tiers import RedisStorage, StorageBackend
-
-from .test_tiers_storage import FORMAT, PAYLOAD, keys
+from tests.support.storage import FORMAT, PAYLOAD, keys
 
 
 @pytest.fixture

@@ -20,11 +20,7 @@ from kvblocks.tiers import (
     usable_prefix,
 )
 from kvblocks.tiers.entry import FORMAT_VERSION, HEADER
-
-SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", block_size=4)
-FORMAT = EntryFormat.for_spec(SPEC, "xxh3-128")
-PAYLOAD = bytes(range(256)) * (SPEC.bytes_per_block // 256)
-
+from tests.support.storage import FORMAT, PAYLOAD, SPEC, keys
 
 # ---------------------------------------------------------------- entries
 
@@ -155,10 +151,6 @@ def storage(request, tmp_path):
     backend = MemoryStorage() if request.param == "memory" else FileStorage(tmp_path / "kv")
     yield backend
     backend.close()
-
-
-def keys(*names: str) -> list[str]:
-    return [f"xxh3-128.{'0' * 16}.b{name}" for name in names]
 
 
 def test_put_get_contains_delete(storage) -> None:

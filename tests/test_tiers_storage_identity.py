@@ -28,7 +28,7 @@ from kvblocks.tiers import (
 )
 from kvblocks.tiers.entry import HEADER
 from kvblocks.tiers.storage import StorageBackend
-from tests.tier_sim import SimEngine, content_of
+from tests.support.tier_sim import SimEngine, content_of
 
 B = 4
 A = list(range(17))  # 4 full blocks + 1 token

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvblocks.hybrid import PLACEHOLDER
-from tests.examples import load_example
+from tests.support.examples import load_example
 
 tiny = load_example("tiny_hybrid_model")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvblocks.backends import CPUBackend
-from tests.examples import load_example
+from tests.support.examples import load_example
 
 tiny = load_example("tiny_model")
 

@@ -36,7 +36,7 @@ from kvblocks.tiers import EntryFormat, FileStorage, LoadResult, TierConfig, Tie
 from kvblocks.tiers.entry import HEADER, block_key, namespace_tag
 from kvblocks.tiers.executor import TransferExecutor
 from kvblocks.tiers.transfers import TransferPlan
-from tests.examples import load_example
+from tests.support.examples import load_example
 
 tiny = load_example("tiny_model")
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.examples import load_example
+from tests.support.examples import load_example
 
 tiny = load_example("tiny_recurrent_model")
 

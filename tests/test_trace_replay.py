@@ -7,8 +7,6 @@ infinite-cache model finds under the same rules; with a small pool it must stay 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,19 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvblocks import KVCacheManager
-
-TRACE = Path(__file__).parent / "data" / "mooncake_conversation_head1000.jsonl"
-BLOCK = 512  # the trace's block size
-
-
-def load() -> list[tuple[list[int], int]]:
-    """(hashes of the full blocks, prompt length) per request; the trailing partial block has no hash."""
-    requests = []
-    for line in TRACE.read_text().splitlines():
-        record = json.loads(line)
-        length = record["input_length"]
-        requests.append((record["hash_ids"][: length // BLOCK], length))
-    return requests
+from tests.support.mooncake import BLOCK, load
 
 
 def replay(m: KVCacheManager, requests: list[tuple[list[int], int]]) -> None:

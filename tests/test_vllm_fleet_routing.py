@@ -25,7 +25,7 @@ from kvblocks.events import EventConsumer  # noqa: E402
 from kvblocks.hashing import BlockExtras  # noqa: E402
 from kvblocks.interop.zmq_events import ZmqEventSubscriber, pump_subscriber  # noqa: E402
 from kvblocks.routing import Router, RouterConfig  # noqa: E402
-from tests.recorded_engine import RecordedEngine, _connected, _load  # noqa: E402
+from tests.support.recorded_engine import RecordedEngine, _connected, _load  # noqa: E402
 
 DATA = _load("vllm")
 SGLANG = _load("sglang")

@@ -36,7 +36,7 @@ from kvblocks.events import EventSink
 from kvblocks.events.codec import BlockRemoved, BlockStored, KVEvent
 from kvblocks.hybrid import PLACEHOLDER, HybridKVCacheManager, LocalGroup
 from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy
-from tests.test_vllm_scenarios_mamba import evicted, index_of  # the same lookup mock, recurrent groups included
+from tests.support.group_index import evicted, index_of  # the same lookup mock, recurrent groups included
 
 B = 16
 X = PLACEHOLDER

@@ -25,8 +25,7 @@ from hypothesis import strategies as st
 
 from kvblocks import KVCacheManager, block_hashes
 from kvblocks.errors import StaleLookupError
-
-from .test_manager_state_machine import full_snapshot
+from tests.support.snapshots import full_snapshot
 
 COMMON = [i for i in range(3) for _ in range(16)]  # three full blocks of 16
 

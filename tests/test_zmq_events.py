@@ -27,7 +27,7 @@ from kvblocks.hashing import block_hashes, vllm_int_hash
 from kvblocks.interop.engine_wire import encode_engine_batch
 from kvblocks.interop.zmq_events import END_SEQ, ZmqEventPublisher, ZmqEventSubscriber, pump_subscriber
 from kvblocks.routing import Router, RouterConfig
-from tests.recorded_engine import ANY_PORT, RecordedEngine, _connected, _load, _until
+from tests.support.recorded_engine import ANY_PORT, RecordedEngine, _connected, _load, _until
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 The oracle for the lazy path is the eager one: the same work on a twin manager whose sink has a subscriber
 (so every event is built at once, as ``emit`` does) gives the events the background publisher must deliver,
 number for number -- however late it builds them. Consumers are the strict index of
-``tests/events/test_events_wire.py``: an event applied twice, out of order or after an unnoticed loss raises.
+``tests/support/event_index.py``: an event applied twice, out of order or after an unnoticed loss raises.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from kvblocks.events import (
 )
 from kvblocks.events.codec import build_pending
 from kvblocks.events.transport import InProcessTransport, pump
-from tests.events.test_events_wire import Index, Workload, tree_view
+from tests.support.event_index import Index, Workload, tree_view
 
 
 def ticking() -> Callable[[], float]:

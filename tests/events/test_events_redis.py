@@ -14,8 +14,7 @@ from kvblocks import AllBlocksCleared, EventSink
 from kvblocks.errors import ConfigError
 from kvblocks.events import EventBatch, EventPublisher, encode_batch
 from kvblocks.events.transport import EventTransport, RedisStreamTransport, pump
-
-from .test_events_wire import Index, Workload, tree_view
+from tests.support.event_index import Index, Workload, tree_view
 
 
 def stream_name() -> str:

@@ -26,7 +26,7 @@ from kvblocks.hashing import BlockHash
 from kvblocks.hybrid import LocalGroup, TieredHybridKVCacheManager
 from kvblocks.routing import Router, RouterConfig
 from kvblocks.tiers import EntryFormat, MemoryStorage, TierConfig, TieredKVCacheManager
-from tests.tier_sim import FORMAT, SimEngine, content_of
+from tests.support.tier_sim import FORMAT, SimEngine, content_of
 
 B = 4
 A = list(range(17))  # 4 full blocks + 1 token

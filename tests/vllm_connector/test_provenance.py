@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvblocks.integrations.vllm.planner import BlockRun, Scheduled, StepPlan, TransferPlanner
 from kvblocks.integrations.vllm.provenance import BAD, BlockProvenance, merge_roots
 from kvblocks.integrations.vllm.worker import LoadRecord, WorkerReport
-from tests.vllm_connector.test_planner import FakeIndex, chain
+from tests.support.vllm_planner import FakeIndex, chain
 
 # ------------------------------------------------------------------ the rules
 

@@ -14,34 +14,12 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from kvblocks.errors import InvalidArgumentError  # noqa: E402
-from kvblocks.hashing import Namespace  # noqa: E402
 from kvblocks.integrations.vllm.block_copy import LayerBlocks  # noqa: E402
-from kvblocks.integrations.vllm.kv_format import VllmKVFormat  # noqa: E402
 from kvblocks.integrations.vllm.transfer import load_run, save_run  # noqa: E402
 from kvblocks.tiers import FileStorage, MemoryStorage  # noqa: E402
-from kvblocks.tiers.config import TierConfig  # noqa: E402
 from kvblocks.tiers.storage_tier import StorageTier  # noqa: E402
-from tests.damage import damaged  # noqa: E402
-
-LAYERS, NUM_BLOCKS, SHAPE = 3, 8, (2, 32, 8)  # [kv_heads, block_size, 2 * head_dim], vLLM's CPU layout
-FMT = VllmKVFormat("test/llama", "bfloat16", LAYERS, SHAPE, 32)
-
-
-def kv(seed: int) -> dict[str, torch.Tensor]:
-    buffer = torch.randn((LAYERS, NUM_BLOCKS, *SHAPE), generator=torch.Generator().manual_seed(seed))
-    buffer = buffer.to(torch.bfloat16)
-    return {f"model.layers.{i}.self_attn.attn": buffer[i] for i in range(LAYERS)}
-
-
-def payload_of(tensors: dict[str, torch.Tensor], block: int) -> bytes:
-    return b"".join(
-        tensors[f"model.layers.{i}.self_attn.attn"][block].view(torch.uint8).numpy().tobytes() for i in range(LAYERS)
-    )
-
-
-def tier_on(storage: object) -> StorageTier:
-    config = TierConfig(storage=storage, entry_format=FMT.entry_format)  # type: ignore[arg-type]
-    return StorageTier(config, Namespace(FMT.model), FMT.scheme, FMT.block_size)
+from tests.support.damage import damaged  # noqa: E402
+from tests.support.vllm_transfer import FMT, HASHES, NUM_BLOCKS, kv, payload_of, staged, tier_on  # noqa: E402
 
 
 @pytest.fixture
@@ -49,16 +27,6 @@ def tier(tmp_path: Path):  # type: ignore[no-untyped-def]
     made = tier_on(FileStorage(tmp_path))
     yield made
     made.close()
-
-
-HASHES = [bytes([i + 1]) * 32 for i in range(4)]
-
-
-def staged(blocks: LayerBlocks) -> LayerBlocks:
-    """The same tensors moved the accelerator's way (torch gather/scatter through a host copy)."""
-    blocks._host = None
-    blocks._flat = None
-    return blocks
 
 
 @pytest.mark.parametrize("path", ["host", "staged"])

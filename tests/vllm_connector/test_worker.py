@@ -16,7 +16,7 @@ from kvblocks.integrations.vllm.block_copy import LayerBlocks  # noqa: E402
 from kvblocks.integrations.vllm.planner import BlockRun, StepPlan  # noqa: E402
 from kvblocks.integrations.vllm.worker import ConnectorWorker, LoadRecord, WorkerReport  # noqa: E402
 from kvblocks.tiers import FileStorage  # noqa: E402
-from tests.vllm_connector.test_transfer import HASHES, kv, payload_of, staged, tier_on  # noqa: E402
+from tests.support.vllm_transfer import HASHES, kv, payload_of, staged, tier_on  # noqa: E402
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def load_example(name: str, module_name: str | None = None) -> ModuleType:

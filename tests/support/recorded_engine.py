@@ -16,7 +16,7 @@ import zmq
 
 from kvblocks.interop.zmq_events import END_SEQ, ZmqEventSubscriber
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 ANY_PORT = "tcp://127.0.0.1:*"
 
 

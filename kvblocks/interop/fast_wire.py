@@ -18,7 +18,7 @@ writes msgpack itself, in less than half that:
   reference encoder, one event at a time, and spliced in: msgspec writes a struct alone as it writes it
   inside the batch.
 
-The output is byte for byte the reference's (``tests/test_fast_wire.py`` compares them on random batches of
+The output is byte for byte the reference's (``tests/interop/test_fast_wire.py`` compares them on random batches of
 every kind of entry, both dialects, both hash forms). Bad input raises what the reference raises.
 """
 

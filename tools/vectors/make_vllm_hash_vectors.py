@@ -4,7 +4,7 @@ For each case (token ids, block size, LoRA, multimodal items, cache salt) and ea
 without ``PYTHONHASHSEED``, this runs vLLM's ``init_none_hash``, ``get_request_block_hasher`` (one shot, and
 piecewise as tokens arrive), ``hash_block_tokens`` with ``generate_block_hash_extra_keys`` (asserted equal),
 and ``maybe_convert_block_hash``, and writes inputs, extra keys, hex hashes and int forms as JSON. The tests
-(``tests/test_vllm_hashing.py``) read the file; they never need vLLM.
+(``tests/hashing/test_vllm_hashing.py``) read the file; they never need vLLM.
 
 ``tests/data/vllm_hash_vectors.json`` was produced with (Python 3.11, x86_64)::
 

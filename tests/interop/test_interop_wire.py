@@ -20,7 +20,7 @@ from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBa
 from kvblocks.hashing import sglang_int_hash, vllm_int_hash
 from kvblocks.interop.engine_wire import EngineEventDecoder, decode_engine_batch, encode_engine_batch
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 STREAMS = {
     "vllm": json.loads((DATA / "vllm_event_stream.json").read_text()),
     "sglang": json.loads((DATA / "sglang_event_stream.json").read_text()),

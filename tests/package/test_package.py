@@ -16,7 +16,7 @@ import pytest
 
 import kvblocks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "redis", "prometheus_client", "zmq", "msgpack", "msgspec", "transformers", "tqdm", "matplotlib")
 
 

@@ -428,7 +428,7 @@ def test_a_closed_server_stops_answering() -> None:
 
 # ---------------------------------------------------------------- the docs table is what the exporter serves
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 SUFFIX = {"counter": "_total", "gauge": "", "histogram": ""}
 
 

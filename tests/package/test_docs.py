@@ -13,7 +13,7 @@ import pytest
 
 from kvblocks.integrations.vllm import ConnectorSettings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 

@@ -1,4 +1,4 @@
-"""The manager's lifecycle state machine (tests/test_manager_state_machine.py) with S3-FIFO eviction."""
+"""The manager's lifecycle state machine (tests/core/test_manager_state_machine.py) with S3-FIFO eviction."""
 
 from __future__ import annotations
 

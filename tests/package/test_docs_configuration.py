@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 DATACLASSES = [
     "kvblocks.config.CacheConfig",

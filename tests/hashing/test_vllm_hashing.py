@@ -34,7 +34,7 @@ from kvblocks.hashing import (
     vllm_int_hash,
 )
 
-VECTORS = json.loads((Path(__file__).parent / "data" / "vllm_hash_vectors.json").read_text())
+VECTORS = json.loads((Path(__file__).parents[1] / "data" / "vllm_hash_vectors.json").read_text())
 CONFIGS = {c["id"]: c for c in VECTORS["configs"]}
 CASES = {c["name"]: c for c in VECTORS["cases"]}
 SCHEME_OF = {

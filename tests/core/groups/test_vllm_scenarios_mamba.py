@@ -3,7 +3,7 @@
 Read from vllm-project/vllm ``tests/v1/core/test_prefix_caching.py`` at commit
 003df2961dd8830c317a61f9745ccd557da9fa06 and ``tests/v1/core/test_single_type_kv_cache_manager.py`` at
 commit 00b08dc44519a82cbdd9061d92d1226985094622 (the sliding-window and chunked-local hit tables of the
-latter are in tests/test_vllm_scenarios_hybrid.py). Each test names the vLLM test it translates; the
+latter are in tests/core/groups/test_vllm_scenarios_hybrid.py). Each test names the vLLM test it translates; the
 expectations are vLLM's except where a comment marked "kvblocks:" says which documented rule differs.
 
 The differences met throughout (docs/hybrid.md, kvblocks/hybrid/recurrent.py):
@@ -27,7 +27,7 @@ pure lookup, then put it back).
 Translated elsewhere: ``test_prefill_hybrid_model_eagle``, ``test_prefill_hybrid_model_combinations_eagle``,
 ``test_block_stored_event_group_idx`` (with its Mamba case), ``..._multiple_groups``,
 ``test_block_removed_event_group_idx`` and the window versions of ``test_different_block_size`` and
-``test_hybrid_cache_blocks_clamped_to_lcm`` are in tests/test_vllm_scenarios_hybrid_more.py (hybrid EAGLE,
+``test_hybrid_cache_blocks_clamped_to_lcm`` are in tests/core/groups/test_vllm_scenarios_hybrid_more.py (hybrid EAGLE,
 tagged events per group and coarser local groups are supported now); its docstring lists what is still
 not translated and why.
 """
@@ -337,7 +337,7 @@ def test_eagle_hybrid_mamba_hits_partial_prompt_boundary() -> None:
     block 544 (checkpoint_every 34), a 1249-token prompt computed to 1248 then 1249; a repeat hits 1248.
 
     kvblocks: translated without EAGLE (hybrid EAGLE, drop_last_matched_block, is covered in
-    tests/test_vllm_scenarios_hybrid_more.py), and no "replay"
+    tests/core/groups/test_vllm_scenarios_hybrid_more.py), and no "replay"
     state at the prompt's last block boundary: checkpoints exist only at multiples of 544, so the engine's
     chunks end at 544 and 1088 (``next_checkpoint``) and the repeat hits 1088, the last one under 1248.
     """
@@ -449,7 +449,7 @@ def test_different_block_size() -> None:
     """vLLM ``test_different_block_size``: a hit must be a multiple of the coarser group's block. There full
     attention has block 32 beside a window of block 16; here the coarser group is Mamba with a 32-token
     block (checkpoint_every 2) beside full attention of block 16 (a coarser local group's version is in
-    tests/test_vllm_scenarios_hybrid_more.py: kvblocks' full-attention group has the finest block size).
+    tests/core/groups/test_vllm_scenarios_hybrid_more.py: kvblocks' full-attention group has the finest block size).
 
     req0 computes 7 blocks one block per step; prompts of 7 and 6 blocks + 1 token hit 6 blocks; losing the
     state at 96 (vLLM: the window's blocks 5 and 6, a window hit of 80) leaves 64, not 80.

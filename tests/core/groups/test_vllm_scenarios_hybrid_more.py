@@ -2,11 +2,11 @@
 :class:`kvblocks.hybrid.HybridKVCacheManager`.
 
 Read from vllm-project/vllm ``tests/v1/core/test_prefix_caching.py`` at commit
-003df2961dd8830c317a61f9745ccd557da9fa06: the scenarios tests/test_vllm_scenarios_mamba.py left out while
+003df2961dd8830c317a61f9745ccd557da9fa06: the scenarios tests/core/groups/test_vllm_scenarios_mamba.py left out while
 kvblocks refused ``drop_last_matched_block`` for hybrid groups, tagged only the full group's events and
 had one block size. Each test names the vLLM test it translates; the expectations are vLLM's except where
 a comment marked "kvblocks:" says which documented rule differs. The differences met throughout are those
-of tests/test_vllm_scenarios_mamba.py (one pool per group with ids from 0, PLACEHOLDER for vLLM's null
+of tests/core/groups/test_vllm_scenarios_mamba.py (one pool per group with ids from 0, PLACEHOLDER for vLLM's null
 block, caching at the commit, where a window group also releases what left its window) and:
 
 * EAGLE: vLLM drops the last block of the common hit. kvblocks' ``drop_last_matched_block`` takes the

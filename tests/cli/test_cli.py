@@ -695,7 +695,7 @@ def test_replay_shows_a_plain_progress_line_on_a_terminal_without_tqdm(monkeypat
 
 
 def test_docs_cli_md_documents_every_flag_and_command() -> None:
-    page = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     for _, action in options_of_every_parser():
         assert f"`{action.option_strings[-1]}" in page, action.option_strings
     for command in subcommands():

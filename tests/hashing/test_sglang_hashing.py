@@ -22,7 +22,7 @@ from kvblocks.hashing import (
     sglang_int_hash,
 )
 
-STREAM = json.loads((Path(__file__).parent / "data" / "sglang_event_stream.json").read_text())
+STREAM = json.loads((Path(__file__).parents[1] / "data" / "sglang_event_stream.json").read_text())
 
 
 def _published() -> dict[tuple[int, ...], list[int]]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvblocks.core.eviction import DEFAULT_EVICTION, check_eviction
 from kvblocks.errors import ConfigError
-from kvblocks.eviction import DEFAULT_EVICTION, check_eviction
 from kvblocks.hashing import DEFAULT_SCHEME, HASH_SCHEMES, Namespace
 
 __all__ = ["ROLES", "CacheConfig", "DisaggConfig"]
@@ -39,7 +39,7 @@ class CacheConfig:
     drop_last_matched_block: bool = False
     """A hit gives up its last matched block (EAGLE / MTP drafters need that block's hidden states)."""
     eviction: str = DEFAULT_EVICTION
-    """Which idle device block goes first: a name in :data:`kvblocks.eviction.EVICTION_POLICIES` (``"lru"``,
+    """Which idle device block goes first: a name in :data:`kvblocks.core.eviction.EVICTION_POLICIES` (``"lru"``,
     ``"s3fifo"``)."""
 
     def __post_init__(self) -> None:

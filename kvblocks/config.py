@@ -59,6 +59,8 @@ class CacheConfig:
 
 
 ROLES = ("mixed", "prefill", "decode")
+"""The built-in roles; :func:`kvblocks.disagg.register_role` adds one."""
+_ROLE_NAMES = list(ROLES)  # every known role (the built-in ones first), the one list DisaggConfig checks
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,8 @@ class DisaggConfig:
     """Decode: blocks kept free for each running sequence's growth; a handoff may not use them."""
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ConfigError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
+        if self.role not in _ROLE_NAMES:
+            raise ConfigError(f"role must be one of {', '.join(_ROLE_NAMES)}; got {self.role!r}")
         reserve = self.reserve_blocks_per_sequence
         if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
             raise ConfigError(f"reserve_blocks_per_sequence must be an int >= 0, got {reserve!r}")

@@ -15,7 +15,10 @@ import logging as _logging
 
 from kvblocks.accounting import CachedTokens, CacheStats, HitCounters
 from kvblocks.config import CacheConfig
+from kvblocks.core.eviction import EVICTION_POLICIES, LRU, S3FIFO, EvictionPolicy
 from kvblocks.core.manager import BlockTable, KVCacheManager
+from kvblocks.core.pool import BlockPool
+from kvblocks.core.prefix_tree import PrefixMatch, PrefixTree
 from kvblocks.disagg import (
     DecodeAdmission,
     DecodeManager,
@@ -62,7 +65,6 @@ from kvblocks.events import (
     decode_batch,
     encode_batch,
 )
-from kvblocks.eviction import EVICTION_POLICIES, LRU, S3FIFO, EvictionPolicy
 from kvblocks.hashing import (
     BlockExtras,
     BlockHash,
@@ -73,8 +75,6 @@ from kvblocks.hashing import (
     block_hashes,
     blocks_overlapping,
 )
-from kvblocks.pool import BlockPool
-from kvblocks.radix import PrefixMatch, PrefixTree
 
 # A library's loggers get a NullHandler only: the application decides where lines go (none configured: nowhere,
 # rather than bare on stderr). What matters is also counted where users look (docs/metrics.md).

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvblocks.core.eviction import DEFAULT_EVICTION, check_eviction
 from kvblocks.errors import ConfigError
-from kvblocks.eviction import DEFAULT_EVICTION, check_eviction
 from kvblocks.hashing import DEFAULT_SCHEME, HASH_SCHEMES, Namespace
 
 __all__ = ["ROLES", "CacheConfig", "DisaggConfig"]
@@ -39,7 +39,7 @@ class CacheConfig:
     drop_last_matched_block: bool = False
     """A hit gives up its last matched block (EAGLE / MTP drafters need that block's hidden states)."""
     eviction: str = DEFAULT_EVICTION
-    """Which idle device block goes first: a name in :data:`kvblocks.eviction.EVICTION_POLICIES` (``"lru"``,
+    """Which idle device block goes first: a name in :data:`kvblocks.core.eviction.EVICTION_POLICIES` (``"lru"``,
     ``"s3fifo"``)."""
 
     def __post_init__(self) -> None:
@@ -59,6 +59,8 @@ class CacheConfig:
 
 
 ROLES = ("mixed", "prefill", "decode")
+"""The built-in roles; :func:`kvblocks.disagg.register_role` adds one."""
+_ROLE_NAMES = list(ROLES)  # every known role (the built-in ones first), the one list DisaggConfig checks
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,8 @@ class DisaggConfig:
     """Decode: blocks kept free for each running sequence's growth; a handoff may not use them."""
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ConfigError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
+        if self.role not in _ROLE_NAMES:
+            raise ConfigError(f"role must be one of {', '.join(_ROLE_NAMES)}; got {self.role!r}")
         reserve = self.reserve_blocks_per_sequence
         if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
             raise ConfigError(f"reserve_blocks_per_sequence must be an int >= 0, got {reserve!r}")

@@ -18,10 +18,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvblocks.core.eviction import DEFAULT_EVICTION, check_eviction
 from kvblocks.core.manager import KVCacheManager
 from kvblocks.errors import ConfigError
 from kvblocks.events import EventRecord, EventSink
-from kvblocks.eviction import DEFAULT_EVICTION, check_eviction
 from kvblocks.traces import Trace, TraceRequest
 
 __all__ = [
@@ -192,7 +192,7 @@ def replay(
     """Replay ``trace``; ``blocks`` is the total device capacity (None: :func:`unlimited_blocks`).
 
     ``eviction`` names the eviction policy of every tier's blocks (device and host): ``"lru"``
-    (default) or ``"s3fifo"`` (:mod:`kvblocks.eviction`).
+    (default) or ``"s3fifo"`` (:mod:`kvblocks.core.eviction`).
 
     ``host_blocks`` (split over the workers) adds a host tier with write-back; ``storage_blocks``
     adds one storage tier shared by all workers (in memory, an LRU byte budget of that many

@@ -126,7 +126,7 @@ def _capacities(text: str) -> list[str]:
 
 
 def _evictions(text: str) -> list[str]:
-    from kvblocks.eviction import check_eviction
+    from kvblocks.core.eviction import check_eviction
 
     names = [t.strip() for t in text.split(",") if t.strip()]
     for name in names:
@@ -245,7 +245,7 @@ def _parser() -> argparse.ArgumentParser:
         help="also draw the curve into PATH (.png, .svg or .pdf; needs the extra kvblocks[plot], matplotlib)",
     )
 
-    from kvblocks.hybrid.presets import HYBRID_PRESETS
+    from kvblocks.layouts.presets import HYBRID_PRESETS
 
     plan = commands.add_parser("plan", help="bytes per block and the blocks/tokens a memory budget holds")
     plan.add_argument(

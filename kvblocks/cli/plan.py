@@ -49,7 +49,7 @@ def _spec(args: argparse.Namespace) -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace, out: Any) -> None:
-    from kvblocks.hybrid.presets import HYBRID_PRESETS
+    from kvblocks.layouts.presets import HYBRID_PRESETS
 
     if args.model in HYBRID_PRESETS:
         _cmd_plan_hybrid(args, out)
@@ -114,7 +114,7 @@ def _group_kind(group: Any) -> str:
 
 def _cmd_plan_hybrid(args: argparse.Namespace, out: Any) -> None:
     """A hybrid preset: memory per group, split so that every group holds the same running sequences."""
-    from kvblocks.hybrid.presets import hybrid_preset
+    from kvblocks.layouts.presets import hybrid_preset
 
     given = [f"--{n.replace('_', '-')}" for n in _SHAPE_FLAGS if getattr(args, n) is not None]
     if given:

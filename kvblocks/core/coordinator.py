@@ -28,11 +28,11 @@ from kvblocks.core.groups.local_group import LocalGroup, LocalGroupManager
 from kvblocks.core.groups.protocol import Ask, GroupCopies, GroupManager
 from kvblocks.core.groups.recurrent_group import RecurrentGroup, StateCopy, _Recurrent
 from kvblocks.core.groups.rules import NEVER
+from kvblocks.core.pool import BlockPool
 from kvblocks.core.sequence import _Sequence
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError, SequenceStateError
 from kvblocks.events import BlockStored, EventSink
 from kvblocks.hashing import BlockHash
-from kvblocks.pool import BlockPool
 
 __all__ = ["GroupCoordinator", "split_groups"]
 

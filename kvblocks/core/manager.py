@@ -28,9 +28,12 @@ from kvblocks.accounting import BlockLifetimes, CachedTokens, CacheStats, HitCou
 from kvblocks.config import CacheConfig, DisaggConfig
 from kvblocks.core.admission import Admission
 from kvblocks.core.coordinator import GroupCoordinator
+from kvblocks.core.eviction import DEFAULT_EVICTION
 from kvblocks.core.groups.full_group import FullAttentionGroup
 from kvblocks.core.manager_groups import GroupCalls
 from kvblocks.core.manager_tiers import TierCalls
+from kvblocks.core.pool import BlockPool
+from kvblocks.core.prefix_tree import PrefixTree
 from kvblocks.core.role import Role, RoleFactory, role_for
 from kvblocks.core.sequence import _FREED_MEMORY, BlockTable, hashed_content
 from kvblocks.core.sequence import _count_arg as _count_arg  # re-exported
@@ -48,7 +51,6 @@ from kvblocks.errors import (
     UnknownSequenceError,
 )
 from kvblocks.events import BlockStored, EventSink
-from kvblocks.eviction import DEFAULT_EVICTION
 from kvblocks.hashing import (
     DEFAULT_SCHEME,
     BlockExtras,
@@ -56,8 +58,6 @@ from kvblocks.hashing import (
     BlockHasher,
     Namespace,
 )
-from kvblocks.pool import BlockPool
-from kvblocks.radix import PrefixTree
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.tiering import Tiering
 
@@ -108,7 +108,7 @@ class KVCacheManager(GroupCalls, TierCalls):
         disagg: DisaggConfig | None = None,
     ) -> None:
         """``eviction``: which idle block goes first, ``"lru"`` (default) or ``"s3fifo"``
-        (:mod:`kvblocks.eviction`); ``tiers``: host and storage tiers under every attention group
+        (:mod:`kvblocks.core.eviction`); ``tiers``: host and storage tiers under every attention group
         (:mod:`kvblocks.tiers`); ``groups``: the layer groups beside full attention of a hybrid model
         (:mod:`kvblocks.core.coordinator`); ``disagg``: the node's role (a role facade's: see
         :mod:`kvblocks.disagg`); the other arguments are :class:`~kvblocks.config.CacheConfig`'s."""

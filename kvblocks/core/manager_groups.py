@@ -12,9 +12,9 @@ from typing import Protocol
 
 from kvblocks.core.coordinator import GroupCoordinator
 from kvblocks.core.groups.recurrent_group import StateCopy
+from kvblocks.core.pool import BlockPool
 from kvblocks.core.sequence import BlockTable, _count_arg, _Sequence
 from kvblocks.errors import InvalidArgumentError, SequenceStateError
-from kvblocks.pool import BlockPool
 
 __all__ = ["GroupCalls"]
 
@@ -108,7 +108,8 @@ class GroupCalls:
 
         Call it once per step, after the scheduling calls and before the forward pass, and run what it
         returns first: calling it again is what tells the manager the previous plan has run, so the
-        checkpoints that plan saved become findable then (never earlier). See :mod:`kvblocks.hybrid.recurrent`.
+        checkpoints that plan saved become findable then (never earlier).
+        See :mod:`kvblocks.core.groups.recurrent_group`.
         """
         return self._groups.take_state_plan()
 

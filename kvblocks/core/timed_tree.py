@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kvblocks.accounting import BlockLifetimes
+from kvblocks.core.pool import BlockPool
+from kvblocks.core.prefix_tree import PrefixTree
 from kvblocks.events import EventSink
-from kvblocks.pool import BlockPool
-from kvblocks.radix import PrefixTree
 
 __all__: list[str] = []
 

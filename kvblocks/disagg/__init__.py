@@ -30,7 +30,7 @@ Worked accounting example, block size 16, a 100-token prompt::
 from kvblocks.disagg.config import ROLES, DisaggConfig
 from kvblocks.disagg.decode import DecodeAdmission, DecodeManager, DecodeRole, RequestUsage
 from kvblocks.disagg.decode import DecodeCounters as DecodeCounters
-from kvblocks.disagg.factory import manager_for_role
+from kvblocks.disagg.factory import ROLE_MANAGERS, manager_for_role, register_role, unregister_role
 from kvblocks.disagg.handoff import (
     GROUPS_HANDOFF_VERSION,
     HANDOFF_GROUP_KINDS,
@@ -62,5 +62,8 @@ __all__ = [
     "RequestUsage",
     "TieredDecodeManager",
     "TieredPrefillManager",
+    "ROLE_MANAGERS",
     "manager_for_role",
+    "register_role",
+    "unregister_role",
 ]

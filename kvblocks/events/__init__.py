@@ -1,11 +1,11 @@
 """KV events: what a cache tier stored, removed or cleared, numbered in emission order.
 
-A :class:`kvblocks.radix.PrefixTree` emits one event per batch it changes (one
+A :class:`kvblocks.core.prefix_tree.PrefixTree` emits one event per batch it changes (one
 ``BlockStored`` per insert call, one ``BlockRemoved`` per eviction call), carrying
 block hashes -- the same keys a router or indexer uses. In a hybrid model's cache each
 group emits its own events, tagged with the group's index and kind (``group``,
 ``group_kind``): the full-attention group's tree and each local group's
-:class:`kvblocks.hybrid.block_index.FlatBlockIndex`. The groups share one key space, so
+:class:`kvblocks.core.groups.block_index.FlatBlockIndex`. The groups share one key space, so
 a consumer that tracks the prefix follows the ``"full"`` group (and untagged events)
 only; a window group's removal of a hash says nothing about the full group's copy. An :class:`EventSink`
 numbers them 0, 1, 2, ... and delivers them in process: to subscribers as they
@@ -23,8 +23,8 @@ arguments: the event is built only when read). An :class:`EventPublisher` drains
 its records as batches numbered per producer -- when the engine calls :meth:`EventPublisher.publish`,
 or every few milliseconds from a background thread after :meth:`EventPublisher.start`, which takes
 building, batching and sending off the engine's thread; :meth:`EventPublisher.publish_snapshot`
-sends the producer's whole tree (:meth:`kvblocks.radix.PrefixTree.snapshot_events`; for a hybrid cache, followed by
-each local group's :meth:`~kvblocks.hybrid.block_index.FlatBlockIndex.snapshot_events`,
+sends the producer's whole tree (:meth:`kvblocks.core.prefix_tree.PrefixTree.snapshot_events`; for a hybrid
+cache, followed by each local group's :meth:`~kvblocks.core.groups.block_index.FlatBlockIndex.snapshot_events`,
 all tagged) as one batch that replaces what consumers knew of it. An :class:`EventConsumer` applies batches in order and
 reports a missing number as a gap; it then ignores that producer's batches until a
 snapshot arrives. Any loss -- a full sink buffer, a dropped message, a transport

@@ -68,7 +68,7 @@ __all__ = [
 
 
 EVENT_GROUP_KINDS: tuple[str, ...] = ("full", "sliding_window", "chunked_local", "recurrent", "cross_attention")
-"""The group kinds an event's ``group_kind`` may name: :data:`kvblocks.hybrid.layout.GROUP_KINDS`, repeated
+"""The group kinds an event's ``group_kind`` may name: :data:`kvblocks.layouts.plan.GROUP_KINDS`, repeated
 here because this layer is below :mod:`kvblocks.hybrid` (a test keeps the two equal)."""
 
 

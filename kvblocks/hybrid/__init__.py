@@ -15,7 +15,7 @@ from kvblocks.core.groups.cross_group import CrossAttentionGroup
 from kvblocks.core.groups.hits import GroupHitRule, hit_step, longest_common_hit, longest_group_hit, needed_blocks
 from kvblocks.core.groups.local_group import PLACEHOLDER, LocalGroup
 from kvblocks.core.groups.recurrent_group import RecurrentGroup, StateCopy
-from kvblocks.hybrid.layout import (
+from kvblocks.layouts.plan import (
     ATTENTION_KINDS,
     GROUP_KINDS,
     CacheGroup,
@@ -27,7 +27,7 @@ from kvblocks.hybrid.layout import (
     StateTensor,
     held_blocks,
 )
-from kvblocks.hybrid.presets import HYBRID_PRESETS, hybrid_preset
+from kvblocks.layouts.presets import HYBRID_PRESETS, hybrid_preset
 from kvblocks.presets import (  # the previous release's names: KVCacheManager / the role facades with groups
     HybridDecodeManager,
     HybridKVCacheManager,
@@ -78,9 +78,9 @@ _TORCH_BACKED = frozenset({"HybridCaches", "StatePool", "apply_state_plan"})
 
 def __getattr__(name: str) -> Any:
     if name in _TORCH_BACKED:  # torch-backed: imported only when asked for
-        from kvblocks.hybrid import tensors
+        from kvblocks.backends import group_caches
 
-        value = getattr(tensors, name)
+        value = getattr(group_caches, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'kvblocks.hybrid' has no attribute {name!r}")

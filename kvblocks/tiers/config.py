@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvblocks.core.eviction import DEFAULT_EVICTION, check_eviction
 from kvblocks.errors import ConfigError
-from kvblocks.eviction import DEFAULT_EVICTION, check_eviction
 from kvblocks.tiers.entry import EntryFormat
 from kvblocks.tiers.storage import StorageBackend
 

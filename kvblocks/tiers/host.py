@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvblocks.core.eviction import DEFAULT_EVICTION
+from kvblocks.core.pool import BlockPool
 from kvblocks.errors import IntegrityError, InvalidArgumentError
 from kvblocks.event_codec import AllBlocksCleared, BlockRemoved, BlockStored, is_group_tag
 from kvblocks.events import EventSink, record_changes
-from kvblocks.eviction import DEFAULT_EVICTION
 from kvblocks.hashing import BlockHash
-from kvblocks.pool import BlockPool
 
 __all__ = ["HostTier"]
 

@@ -43,12 +43,12 @@ from kvblocks.core.coordinator import GroupCoordinator
 from kvblocks.core.groups.hits import longest_common_hit, needed_blocks
 from kvblocks.core.groups.local_group import LocalGroupManager
 from kvblocks.core.groups.protocol import GroupCopies
+from kvblocks.core.pool import BlockPool
 from kvblocks.core.sequence import _Sequence
 from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError
 from kvblocks.event_codec import BlockStored
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
-from kvblocks.pool import BlockPool
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.pending import TierStats, _Admission, _Counts, _Pending, _Plan

@@ -1,8 +1,8 @@
 """The cached blocks of one sliding-window or chunked-local group: hash -> block, any idle block evictable.
 
-Full attention keeps its cached blocks in a :class:`~kvblocks.radix.PrefixTree`: a hit needs every block
+Full attention keeps its cached blocks in a :class:`~kvblocks.core.prefix_tree.PrefixTree`: a hit needs every block
 before it, so a suffix is worthless without its prefix and eviction takes leaves only. A window group
-needs only the blocks of its window (:func:`kvblocks.hybrid.hits.needed_blocks`), so a block whose
+needs only the blocks of its window (:func:`kvblocks.core.groups.hits.needed_blocks`), so a block whose
 predecessors are gone still serves hits, and a running sequence releases the blocks that fall out of
 its window while it runs. Such a group's index is therefore flat, and eviction takes the least recently
 released idle block wherever it sits in its sequence::
@@ -12,7 +12,7 @@ released idle block wherever it sits in its sequence::
     running (outside)     x    x    x    .    .    .      0, 1, 2 idle (still cached, evictable)
     evict(2)              -    -    x    .    .    .      0 and 1 go first: oldest released
 
-The pool is the same :class:`~kvblocks.pool.BlockPool` every group uses; this index is its content
+The pool is the same :class:`~kvblocks.core.pool.BlockPool` every group uses; this index is its content
 index, as the prefix tree is for a full-attention group. Only committed blocks are inserted (the
 manager's commit rule), so nothing unwritten is ever found here.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 
+from kvblocks.core.pool import BlockPool
 from kvblocks.errors import (
     IntegrityError,
     InvalidArgumentError,
@@ -32,7 +33,6 @@ from kvblocks.errors import (
 from kvblocks.events import EventSink
 from kvblocks.events.codec import EVENT_GROUP_KINDS, BlockStored, is_group_tag, removed_event, stored_event
 from kvblocks.hashing import BlockHash
-from kvblocks.pool import BlockPool
 
 __all__ = ["FlatBlockIndex"]
 
@@ -46,7 +46,7 @@ def _is_hash(value: object) -> bool:
 class FlatBlockIndex:
     """Block hash -> block for one group; idle blocks are evicted least recently released first.
 
-    >>> from kvblocks.pool import BlockPool
+    >>> from kvblocks.core.pool import BlockPool
     >>> pool = BlockPool(4)
     >>> index = FlatBlockIndex(pool)
     >>> blocks = pool.take_fresh(2)
@@ -213,7 +213,7 @@ class FlatBlockIndex:
         """The whole index as ``BlockStored`` events, parents (when indexed) before their children. Pure.
 
         Consecutive hashes of one chain share an event while each has exactly one indexed child, as in
-        :meth:`kvblocks.radix.PrefixTree.snapshot_events`; a chain whose parent is not indexed here starts
+        :meth:`kvblocks.core.prefix_tree.PrefixTree.snapshot_events`; a chain whose parent is not indexed here starts
         an event of its own with that parent hash. Needs a sink: the parents are kept only with one.
         """
         parent_of = self._parent_of

@@ -10,7 +10,7 @@ sequence is freed or preempted; the engine runs the encoder for every admission:
     E = 10 encoder tokens, block size 4
     cross table        [ 7 | 2 | 5 ]      tokens 0-3, 4-7, 8-9 of the encoder output; never findable
 
-The manager learns ``E`` from :meth:`~kvblocks.hybrid.manager.HybridKVCacheManager.set_encoder_tokens`
+The manager learns ``E`` from :meth:`~kvblocks.core.manager.KVCacheManager.set_encoder_tokens`
 before the admission (0 by default: a text-only request to a vision model holds no cross blocks).
 """
 
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvblocks.core.groups.protocol import Ask, GroupCopies
+from kvblocks.core.pool import BlockPool
 from kvblocks.errors import ConfigError, IntegrityError
-from kvblocks.pool import BlockPool
 
 __all__ = ["CrossAttentionGroup"]
 

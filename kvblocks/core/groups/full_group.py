@@ -22,12 +22,12 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from kvblocks.config import CacheConfig
 from kvblocks.core.groups.sources import GroupTiers, take_blocks
+from kvblocks.core.pool import BlockPool
 from kvblocks.core.sequence import _Sequence
 from kvblocks.core.timed_tree import _TimedTree
 from kvblocks.errors import IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash, HashedTokens
-from kvblocks.pool import BlockPool
 
 __all__ = ["FullAttentionGroup"]
 

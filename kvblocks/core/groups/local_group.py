@@ -32,10 +32,10 @@ from kvblocks.core.groups.protocol import Ask, GroupCopies
 from kvblocks.core.groups.registry import GROUP_KIND_RULES, kind_rules
 from kvblocks.core.groups.rules import Positions, covers, minus, union
 from kvblocks.core.groups.sources import DEVICE, HOST, REMOTE, STORED, GroupTiers, take_blocks
+from kvblocks.core.pool import BlockPool
 from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
-from kvblocks.pool import BlockPool
 
 __all__ = ["PLACEHOLDER", "LocalGroup", "LocalGroupManager"]
 

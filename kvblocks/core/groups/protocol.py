@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvblocks.core.pool import BlockPool
 from kvblocks.hashing import BlockHash
-from kvblocks.pool import BlockPool
 
 __all__ = ["Ask", "GroupCopies", "GroupManager"]
 

@@ -2,7 +2,7 @@
 
 A recurrent layer keeps one fixed-size state per sequence instead of blocks. A prefix hit at token ``h``
 needs the state *after* tokens ``[0, h)``: a checkpoint taken exactly there. One group's states live in
-one :class:`~kvblocks.hybrid.tensors.StatePool` of ``num_slots + num_checkpoints`` states::
+one :class:`~kvblocks.backends.group_caches.StatePool` of ``num_slots + num_checkpoints`` states::
 
     state ids     0 .. num_slots-1           running slots: one per admitted sequence, updated in place
                   num_slots .. +checkpoints  checkpoints: a slot's state copied out at a block boundary,
@@ -10,7 +10,7 @@ one :class:`~kvblocks.hybrid.tensors.StatePool` of ``num_slots + num_checkpoints
 
 The manager never touches tensors. It plans :class:`StateCopy` operations -- zero a new slot, save a
 slot into a checkpoint, restore a checkpoint into a slot -- and the engine runs them, in order, before
-its next forward pass (:meth:`~kvblocks.hybrid.manager.HybridKVCacheManager.take_state_plan`)::
+its next forward pass (:meth:`~kvblocks.core.manager.KVCacheManager.take_state_plan`)::
 
     step t    commits (forward t-1 done)  -> saves planned      admissions -> zero / restore planned
               take_state_plan() -> plan t; the engine runs it;  forward pass t
@@ -23,7 +23,7 @@ the checkpoint, and the source of every planned restore, is held (no eviction ca
 A checkpoint is planned when a commit lands exactly on a checkpoint boundary (a multiple of
 ``checkpoint_every`` blocks): the running state is at that token then, and only then. An engine that
 wants its prompts' states cached ends a prefill chunk on such a boundary
-(:meth:`~kvblocks.hybrid.manager.HybridKVCacheManager.next_checkpoint` says where).
+(:meth:`~kvblocks.core.manager.KVCacheManager.next_checkpoint` says where).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from typing import Any
 from kvblocks.core.groups.block_index import FlatBlockIndex
 from kvblocks.core.groups.hits import GroupHitRule
 from kvblocks.core.groups.protocol import Ask, GroupCopies
+from kvblocks.core.pool import BlockPool
 from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
-from kvblocks.pool import BlockPool
 
 __all__ = ["RecurrentGroup", "StateCopy"]
 
@@ -63,7 +63,7 @@ class RecurrentGroup:
 
     @property
     def num_states(self) -> int:
-        """States the group's :class:`~kvblocks.hybrid.tensors.StatePool` needs: slots, then checkpoints."""
+        """States the group's :class:`~kvblocks.backends.group_caches.StatePool` needs: slots, then checkpoints."""
         return self.num_slots + self.num_checkpoints
 
 

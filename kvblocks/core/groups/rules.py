@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 GroupKind = Literal["full", "sliding_window", "chunked_local", "recurrent", "cross_attention"]
-"""The layout kinds' names (:mod:`kvblocks.hybrid.layout`); every other kind, built in or added with
+"""The layout kinds' names (:mod:`kvblocks.layouts.plan`); every other kind, built in or added with
 :func:`~kvblocks.core.groups.register_kind`, is named by a ``str``."""
 GROUP_KINDS: tuple[GroupKind, ...] = ("full", "sliding_window", "chunked_local", "recurrent", "cross_attention")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from kvblocks.pool import BlockPool
+from kvblocks.core.pool import BlockPool
 
 if TYPE_CHECKING:  # annotations only
     from kvblocks.hashing import BlockHash

@@ -406,7 +406,7 @@ class LocalGroupManager:
             done = gone[0].stop if gone else 0
             if cache:  # a duplicate stays private; released positions are never indexed
                 first_new = before // size
-                stop = kind.cached_stop(n, size, self._prompts[key])
+                stop = n // size  # a leading kind caches every full block
                 if stop > first_new:
                     self.index.insert_run(self.keys(hashes), table, first_new if first_new > done else done, stop)
             first = kind.first_needed(n, size, self.span)

@@ -100,7 +100,7 @@ def test_released_positions_are_exactly_those_no_later_token_attends_to(
     span=st.integers(1, 24),
     prompt=st.integers(1, 60),
 )
-def test_a_kind_that_says_its_release_is_leading_releases_the_positions_before_the_first_needed(
+def test_a_kind_that_says_it_is_leading_releases_the_positions_before_the_first_needed(
     kind: str, n: int, size: int, span: int, prompt: int
 ) -> None:
     """A manager keeps a ``leading`` kind's released positions as one count: the kind must mean it."""
@@ -108,6 +108,7 @@ def test_a_kind_that_says_its_release_is_leading_releases_the_positions_before_t
     if rules.leading:
         first = rules.first_needed(n, size, span)
         assert flat(rules.released(n, size, span, prompt)) == set(range(first))
+        assert rules.cached_stop(n, size, prompt) == n // size  # and a commit caches every full block
     elif rules.releases:  # a kind that says otherwise releases something that is not a leading run, somewhere
         runs = [rules.released(m, size, span, m // 2) for m in range(0, 200, 7)]
         assert any(r and r[0].start > 0 for r in runs)

@@ -406,9 +406,10 @@ class LocalGroupManager:
             done = gone[0].stop if gone else 0
             if cache:  # a duplicate stays private; released positions are never indexed
                 first_new = before // size
-                stop = kind.cached_stop(n, size, self._prompts[key])
+                stop = n // size  # a leading kind caches every full block
                 if stop > first_new:
-                    self.index.insert_run(self.keys(hashes), table, first_new if first_new > done else done, stop)
+                    keys = hashes if self.ratio == 1 else _EveryNth(hashes, self.ratio)
+                    self.index.insert_run(keys, table, first_new if first_new > done else done, stop)
             first = kind.first_needed(n, size, self.span)
             if first > done:
                 leaving = table[done:first]  # unless a role cut them back, none is released yet

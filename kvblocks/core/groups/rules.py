@@ -114,7 +114,8 @@ class KindRules:
     * ``local``: its groups are local groups (:class:`~kvblocks.core.groups.local_group.LocalGroup`): a pool,
       a flat index and a table per sequence beside full attention;
     * ``leading``: what a running sequence releases is one leading run, the positions before
-      :meth:`first_needed` (the default :meth:`released`): a manager then keeps it as one count;
+      :meth:`first_needed` (the default :meth:`released`), and a commit caches every full block (the default
+      :meth:`cached_stop`): a manager then takes a window's fast path;
     * ``one_pass``: an admission leaves more positions than :meth:`released` at the hit (the default
       :meth:`admission_released` leaves exactly those);
     * ``event_kind``: the wire kind its events carry, for a kind that is not built in.

@@ -2,7 +2,7 @@
 
 Four layers: even ones attend to the last ``window`` tokens (Gemma 3 / gpt-oss style), odd ones
 to every token. Each kind of layer is a group with its own ``KVCache`` and block table from a
-:class:`~kvblocks.hybrid.HybridKVCacheManager`: group 0 (full) keeps every block, group 1 (the
+:class:`~kvblocks.KVCacheManager` with groups: group 0 (full) keeps every block, group 1 (the
 window) releases blocks once no later token attends to them, leaving ``PLACEHOLDER`` in its table::
 
     block size 4, window 6; the next token is 14 (it attends to 9..14)
@@ -27,9 +27,11 @@ from pathlib import Path
 
 import torch
 
+from kvblocks import KVCacheManager
 from kvblocks.backends import KVCacheSpec, get_backend
 from kvblocks.backends.cache import KVCache
-from kvblocks.hybrid import PLACEHOLDER, HybridKVCacheManager, LocalGroup
+from kvblocks.hybrid import PLACEHOLDER, LocalGroup
+from kvblocks.presets import HybridKVCacheManager as HybridKVCacheManager  # the old name: tests/e2e build with it
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling example, imported as a module
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -171,7 +173,7 @@ class Run(tiny_model.Run):
     hit_tokens: int = 0
 
 
-Hook = Callable[[str, int, HybridKVCacheManager, dict[int, KVCache]], None]
+Hook = Callable[[str, int, KVCacheManager, dict[int, KVCache]], None]
 
 
 def generate(
@@ -198,10 +200,10 @@ def generate(
         FULL: backend.allocate(c.cache_spec(FULL, block_size), num_blocks),
         WINDOW: backend.allocate(c.cache_spec(WINDOW, block_size), window_blocks),
     }
-    manager = HybridKVCacheManager(
+    manager = KVCacheManager(
         num_blocks,
         block_size,
-        local_groups=[LocalGroup("sliding_window", span=c.window, num_blocks=window_blocks)],
+        groups=[LocalGroup("sliding_window", span=c.window, num_blocks=window_blocks)],
         enable_prefix_caching=caching,
     )
     run = Run()
@@ -213,13 +215,13 @@ def generate(
     return run
 
 
-def _tables(manager: HybridKVCacheManager, request: str) -> dict[int, list[int]]:
+def _tables(manager: KVCacheManager, request: str) -> dict[int, list[int]]:
     return {group: manager.group_block_table(request, group) for group in (FULL, WINDOW)}
 
 
 def _serve(
     model: TinyHybridModel,
-    manager: HybridKVCacheManager,
+    manager: KVCacheManager,
     caches: dict[int, KVCache],
     run: Run,
     request: str,

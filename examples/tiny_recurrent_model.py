@@ -1,11 +1,11 @@
 """A tiny model with full-attention layers beside gated linear recurrences, over hybrid kvblocks.
 
 Four layers: even ones are full attention (their K/V paged in a ``KVCache``, group 0 of a
-:class:`~kvblocks.hybrid.HybridKVCacheManager`), odd ones a gated linear recurrence per channel
+:class:`~kvblocks.KVCacheManager` with groups), odd ones a gated linear recurrence per channel
 (Mamba-like, much simpler): a causal depthwise conv over the layer's input, then
 ``h_t = a_t * h_{t-1} + (1 - a_t) * u_t``. A recurrent layer keeps no blocks, only a fixed-size
 state per sequence -- the conv's last inputs and ``h`` -- in a
-:class:`~kvblocks.hybrid.tensors.StatePool` (group 1, the manager's recurrent group)::
+:class:`~kvblocks.hybrid.StatePool` (group 1, the manager's recurrent group)::
 
     state ids   0 .. slots-1                running slots: a forward pass reads and writes its sequence's
                 slots .. slots+checkpoints  checkpoints: a slot copied out at a block boundary, cached
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
+from kvblocks import KVCacheManager
 from kvblocks.backends import get_backend
 from kvblocks.backends.cache import KVCache
-from kvblocks.hybrid import CacheGroup, HybridKVCacheManager, RecurrentState, StateTensor
-from kvblocks.hybrid.recurrent import RecurrentGroup, StateCopy
-from kvblocks.hybrid.tensors import StatePool, apply_state_plan
+from kvblocks.backends.group_caches import StatePool, apply_state_plan
+from kvblocks.hybrid import CacheGroup, RecurrentGroup, RecurrentState, StateCopy, StateTensor
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling example, imported as a module
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -228,9 +228,7 @@ class Engine:
         self.cache = get_backend("cpu").allocate(c.cache_spec(FULL, block_size), num_blocks)
         self.pool = StatePool(c.state_group(), num_slots + num_checkpoints)
         group = RecurrentGroup(num_slots, num_checkpoints, checkpoint_every)
-        self.manager = HybridKVCacheManager(
-            num_blocks, block_size, recurrent_groups=[group], enable_prefix_caching=caching
-        )
+        self.manager = KVCacheManager(num_blocks, block_size, groups=[group], enable_prefix_caching=caching)
         self.waiting: list[str] = []
         self.requests: dict[str, Request] = {}
         self.running: list[str] = []

@@ -31,7 +31,6 @@ from kvblocks import KVCacheManager
 from kvblocks.backends import KVCacheSpec, get_backend
 from kvblocks.backends.cache import KVCache
 from kvblocks.hybrid import PLACEHOLDER, LocalGroup
-from kvblocks.presets import HybridKVCacheManager as HybridKVCacheManager  # the old name: tests/e2e build with it
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling example, imported as a module
     sys.path.insert(0, str(Path(__file__).resolve().parent))

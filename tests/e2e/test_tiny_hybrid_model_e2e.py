@@ -1,4 +1,4 @@
-"""End to end: a tiny transformer alternating sliding-window and full layers over HybridKVCacheManager.
+"""End to end: a tiny transformer alternating sliding-window and full layers over one KVCacheManager with groups.
 
 Prefix caching must leave every logit equal (to float noise) to an uncached run and to a dense
 recomputation while computing fewer tokens; a running sequence holds at most ceil(W / B) + 1
@@ -149,9 +149,7 @@ def test_corrupting_a_block_in_the_window_changes_the_logits(plain) -> None:
 
 def test_a_placeholder_inside_the_window_is_refused() -> None:
     """The model's guard: a key it attends to in a released block raises instead of reading stale KV."""
-    manager = tiny.HybridKVCacheManager(
-        16, BLOCK, local_groups=[tiny.LocalGroup("sliding_window", span=WINDOW, num_blocks=16)]
-    )
+    manager = tiny.KVCacheManager(16, BLOCK, groups=[tiny.LocalGroup("sliding_window", span=WINDOW, num_blocks=16)])
     backend = tiny.get_backend("cpu")
     caches = {g: backend.allocate(MODEL.config.cache_spec(g, BLOCK), 16) for g in (tiny.FULL, tiny.WINDOW)}
     prompt = PROMPTS["a1"][:17]

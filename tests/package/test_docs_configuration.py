@@ -31,8 +31,8 @@ DATACLASSES = [
     "kvblocks.routing.RouterConfig",
     "kvblocks.backends.spec.KVCacheSpec",
     "kvblocks.hybrid.LocalGroup",
-    "kvblocks.hybrid.recurrent.RecurrentGroup",
-    "kvblocks.hybrid.cross.CrossAttentionGroup",
+    "kvblocks.hybrid.RecurrentGroup",
+    "kvblocks.hybrid.CrossAttentionGroup",
 ]
 CALLABLES = [
     "kvblocks.tiers.FileStorage",

@@ -457,7 +457,8 @@ class LocalGroupManager:
         self._inflight.pop(key, None)
         table = self.tables.pop(key)
         held = table[gone[0].stop :] if gone and gone[0].start == 0 else table  # the leading run is released
-        held = [b for b in held if b != PLACEHOLDER]
+        if PLACEHOLDER in held:
+            held = [b for b in held if b != PLACEHOLDER]
         held.reverse()
         if defer is None:
             self.pool._release_valid(held)

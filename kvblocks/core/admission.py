@@ -187,8 +187,7 @@ class Admission:
         if host:
             self._tiering().stacks[0].acquire_host(host)  # before an eviction can write back into the host tier
         if need:
-            pool = self._pool
-            matched += pool.take_fresh(need) if need <= pool.num_fresh else self._full.take(need)
+            matched += self._full.take(need)
         s.table = matched
         s.view = BlockTable(matched, hits * size)
         s.num_covered = covered

@@ -226,10 +226,6 @@ class GroupCoordinator:
         """The most blocks a local group lacks to grow a sequence's tables to ``total`` chain blocks. Pure."""
         return max((local.growth_short(key, total) for local in self.locals), default=0)
 
-    def resize(self, key: int, total: int) -> None:
-        for local in self.locals:
-            local.resize(key, total)
-
     # ------------------------------------------------------------------ commit and release
 
     def committed(self, key: int, hashes: Sequence[BlockHash], before: int, n: int, cache: bool) -> int:

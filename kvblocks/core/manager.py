@@ -147,8 +147,6 @@ class KVCacheManager(GroupCalls, TierCalls):
         self.config = config
         self._block_size = config.block_size
         self._caching = config.enable_prefix_caching
-        self._reserve = config.reserved_blocks
-        self._drop_last = config.drop_last_matched_block
         self._hasher = BlockHasher(config.block_size, config.hash_scheme, config.namespace)
         tag = (0, "full") if groups else (None, None)  # a hybrid manager tags every group's events
         full = FullAttentionGroup(config, event_sink, tag)
@@ -504,17 +502,13 @@ class KVCacheManager(GroupCalls, TierCalls):
         if s.table is None:
             return
         tiers = self._tiers
-        if tiers is None:  # every group releases at once
-            if self._beside is not None:
-                self._beside.release(s)
-            else:
-                self._full.release(s)
-        else:  # a copy in flight into its blocks, or a save of them, holds their release until its plan completes
+        deferred: Sequence[list[list[int]] | None] = ()  # every group releases at once
+        if tiers is not None:  # a copy in flight into its blocks, or a save of them, holds their release
             admission, deferred = tiers.leave(s)
             if admission is not None:  # its hits are final now: what was on device
                 cached = CachedTokens(admission.device * self._block_size, num_prompt_tokens=s.content.num_tokens)
                 self._admitted(admission.seq_id, cached, admission.readmission)
-            self._groups.release(s, deferred)
+        self._groups.release(s, deferred)
         s.clear_table()
 
     # ------------------------------------------------------------------ the cache as a whole

@@ -82,8 +82,6 @@ class Tiering:
         self.counts = _Counts()
         self.save_on_preempt = tiers.save_on_preempt
         self.stacks = tier_stacks(tiers, config, locals_, self.counts, events=events, tag=tag)
-        for local, stack in zip(locals_, self.stacks[1:], strict=True):
-            local.tiers = stack
         self.locals = list(locals_)
         self.pools = [pool, *(local.pool for local in locals_)]  # each group's device pool
         self.events = events is not None
@@ -114,10 +112,10 @@ class Tiering:
             local.require_block_per_position("a tiered manager")
         tiering = cls(tiers, config, groups.full.pool, groups.locals, events=events, tag=tag)
         if all(stack.host is None and stack.storage is None for stack in tiering.stacks):
-            for local in groups.locals:
-                local.tiers = None
             return None
         groups.full.tiers = tiering.stacks[0]
+        for local, stack in zip(groups.locals, tiering.stacks[1:], strict=True):
+            local.tiers = stack
         return tiering
 
     def _new_plan(self, plan_id: int) -> _Plan:
@@ -135,10 +133,6 @@ class Tiering:
     @property
     def storage(self) -> StorageTier | None:
         return self.stacks[0].storage
-
-    @property
-    def num_pending_loads(self) -> int:
-        return len(self.loads)
 
     def probe(self, seq_id: Hashable, hashes: Sequence[BlockHash], start: int, limit: int) -> None:
         """Ask each group's storage (off-thread) which blocks of a new sequence it holds: group 0 those from

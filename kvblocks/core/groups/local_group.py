@@ -11,9 +11,9 @@ hold :data:`PLACEHOLDER`::
 Which positions are released is the kind's to say (:meth:`~kvblocks.core.groups.KindRules.released`, as
 sorted ranges): a leading run for a window, the gap between the prompt and the window for a
 retained-prefix window. Per sequence the group keeps the positions it released
-(:meth:`LocalGroupManager.released_positions`, :meth:`LocalGroupManager.is_released`) and the prompt the
-kind's formulas may need; a kind may keep fewer entries than positions (a circular buffer: one). A
-tiered admission whose copies fall short cuts a table back with :meth:`LocalGroupManager.cut_back`.
+(:attr:`LocalGroupManager.released`) and the prompt the kind's formulas may need; a kind may keep fewer
+entries than positions (a circular buffer: one). A tiered admission whose copies fall short cuts a table
+back with :meth:`LocalGroupManager.cut_back`.
 
 The group answers the manager's questions the same way every group kind does (:class:`GroupManager`):
 what it lacks for an admission and what it then keeps and takes, growth, what a commit caches and
@@ -170,19 +170,11 @@ class LocalGroupManager:
         """The group's block keys: position ``p`` -> the chain hash its block ends with."""
         return hashes if self.ratio == 1 else _EveryNth(hashes, self.ratio)
 
-    def blocks_for(self, chain_blocks: int) -> int:
-        """The group's block positions when the full-attention table has ``chain_blocks`` blocks."""
-        return -(-chain_blocks // self.ratio)
-
     def table_length(self, chain_blocks: int) -> int:
         """A sequence's table length when the full-attention table has ``chain_blocks`` blocks (one entry per
         position, unless the kind keeps fewer)."""
         entries = self.kind.table_entries
         return -(-chain_blocks // self.ratio) if entries is None else entries
-
-    def first_needed(self, next_token: int) -> int:
-        """The first block position any token from ``next_token`` on attends to (its window's or chunk's start)."""
-        return self.kind.first_needed(next_token, self.block_size, self.span)
 
     def next_move(self, next_token: int) -> int:
         """The smallest token count from which the positions released at ``next_token`` may grow."""
@@ -194,15 +186,6 @@ class LocalGroupManager:
         return pool.take_fresh(count) if count <= len(pool._fresh) else take_blocks(pool, self.index, self.tiers, count)
 
     # ------------------------------------------------------------------ a sequence's positions
-
-    def released_positions(self, key: int) -> Positions:
-        """The positions the sequence released (its table holds :data:`PLACEHOLDER` exactly there). Replaced, not
-        changed, when it releases more: an unchanged object means nothing was released since."""
-        return self.released[key]
-
-    def is_released(self, key: int, position: int) -> bool:
-        """Whether the sequence released block position ``position``."""
-        return any(position in r for r in self.released[key])
 
     def require_block_per_position(self, what: str) -> None:
         """Raise :class:`ConfigError` unless the kind's tables hold one entry per position: ``what`` serves only

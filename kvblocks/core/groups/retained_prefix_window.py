@@ -20,6 +20,7 @@ reaches past a prompt that computed it. vLLM frees a gap block one token later (
 from __future__ import annotations
 
 from kvblocks.core.groups.rules import KindRules, Positions, ceil_div
+from kvblocks.core.groups.sliding_window import window_next_move, window_start
 
 __all__ = ["RetainedPrefixWindow"]
 
@@ -37,13 +38,12 @@ class RetainedPrefixWindow(KindRules):
     def next_move(self, next_token: int, block_size: int, span: int) -> int:
         # the window's first block moves here (the sliding window's token); whether it leaves the prompt
         # depends on the prompt, so this is the earliest the gap may grow
-        first = max(0, next_token - span + 1) // block_size
-        return (first + 1) * block_size + span - 1
+        return window_next_move(next_token, block_size, span)
 
     def released(self, next_token: int, block_size: int, span: int, prompt: int | None) -> Positions:
         if prompt is None:
             return ()  # the prompt unknown: nothing is known to be outside it
-        gap = range(ceil_div(prompt, block_size), max(0, next_token - span + 1) // block_size)
+        gap = range(ceil_div(prompt, block_size), window_start(next_token, span) // block_size)
         return (gap,) if gap else ()
 
     def cached_stop(self, committed: int, block_size: int, prompt: int | None) -> int:

@@ -11,7 +11,18 @@ from __future__ import annotations
 
 from kvblocks.core.groups.rules import WindowedRules, ceil_div
 
-__all__ = ["SlidingWindow"]
+__all__ = ["SlidingWindow", "window_next_move", "window_start"]
+
+
+def window_start(next_token: int, span: int) -> int:
+    """The first token ``next_token`` attends to in a window of ``span`` tokens (itself and ``span - 1`` before)."""
+    return max(0, next_token - span + 1)
+
+
+def window_next_move(next_token: int, block_size: int, span: int) -> int:
+    """The smallest token count from which the window's first block lies past its block at ``next_token``: the
+    window start reaches the next block's start."""
+    return (window_start(next_token, span) // block_size + 1) * block_size + span - 1
 
 
 class SlidingWindow(WindowedRules):
@@ -20,11 +31,10 @@ class SlidingWindow(WindowedRules):
     name = "sliding_window"
 
     def first_needed_token(self, next_token: int, span: int) -> int:
-        return max(0, next_token - span + 1)
+        return window_start(next_token, span)
 
     def next_move(self, next_token: int, block_size: int, span: int) -> int:
-        # the window's first block moves when n - W + 1 reaches the next block's start
-        return (self.first_needed(next_token, block_size, span) + 1) * block_size + span - 1
+        return window_next_move(next_token, block_size, span)
 
     def held_blocks(self, context: int, block_size: int, span: int | None) -> int:
         """At most ceil(W/B) + 1: the window rarely starts on a block boundary, and the block being

@@ -47,6 +47,7 @@ from kvblocks.core.manager import KVCacheManager
 from kvblocks.disagg import DecodeManager
 from kvblocks.errors import BackendUnavailableError, InvalidArgumentError, MissingExtraError
 from kvblocks.routing import Lease, Router
+from kvblocks.tiers.storage_tier import StorageTier
 
 if TYPE_CHECKING:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -395,7 +396,7 @@ def _collect_tiers(f: _Families, cache: dict[str, str], manager: KVCacheManager)
             f.counter("kvblocks_swaps", {**cache, "direction": direction, "result": result}, count)
         f.counter("kvblocks_host_writes_dropped", cache, tiers.write_backs_without_host_room)
     reads, writer, tier = tiers.storage, tiers.writer, manager.storage
-    if reads is None or writer is None or tier is None:
+    if reads is None or writer is None or not isinstance(tier, StorageTier):  # another keyed kind: no figures
         return
     read_results = (
         ("hit", reads.loads_hit),

@@ -15,9 +15,8 @@ from kvblocks.accounting import CachedTokens
 from kvblocks.core.coordinator import GroupCoordinator
 from kvblocks.core.sequence import _Sequence
 from kvblocks.errors import IntegrityError, InvalidArgumentError
-from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.pending import TierStats, _Admission
-from kvblocks.tiers.storage_tier import StorageTier
+from kvblocks.tiers.protocol import KeyedTier, SlotTier
 from kvblocks.tiers.tiering import Tiering
 from kvblocks.tiers.transfers import LoadResult, TransferPlan
 
@@ -45,21 +44,21 @@ class TierCalls:
     """The tier calls of a manager (see the module docstring)."""
 
     @property
-    def host(self: _Manager) -> HostTier | None:
+    def host(self: _Manager) -> SlotTier | None:
         """Group 0's host tier (read it; change it only through the manager); None without one."""
         return self._tiers.host if self._tiers is not None else None
 
     @property
-    def storage(self: _Manager) -> StorageTier | None:
+    def storage(self: _Manager) -> KeyedTier | None:
         """Group 0's storage tier; None without one."""
         return self._tiers.storage if self._tiers is not None else None
 
-    def group_host(self: _Manager, group: int) -> HostTier | None:
+    def group_host(self: _Manager, group: int) -> SlotTier | None:
         """Group ``group``'s host tier (0: :attr:`host`); read it, change it only through the manager."""
         number = self._groups.number(group)
         return self._tiers.stacks[number].host if self._tiers is not None else None
 
-    def group_storage(self: _Manager, group: int) -> StorageTier | None:
+    def group_storage(self: _Manager, group: int) -> KeyedTier | None:
         """Group ``group``'s storage tier (0: :attr:`storage`); a local group's has keys and a format of its own."""
         number = self._groups.number(group)
         return self._tiers.stacks[number].storage if self._tiers is not None else None

@@ -10,7 +10,9 @@ from kvblocks.tiers.config import HOST_POLICIES, STORAGE_POLICIES, TierConfig
 from kvblocks.tiers.entry import EntryFormat, block_key, group_tag, namespace_tag
 from kvblocks.tiers.file_storage import FileStorage
 from kvblocks.tiers.host import HostTier
+from kvblocks.tiers.kinds import TIER_KINDS, TierFactory, TierPlace, register_tier_kind, unregister_tier_kind
 from kvblocks.tiers.pending import TierStats
+from kvblocks.tiers.protocol import KEYED, SLOT, KeyedTier, SlotTier, Tier
 from kvblocks.tiers.redis_storage import RedisStorage
 from kvblocks.tiers.stack import TierStack
 from kvblocks.tiers.storage import MemoryStorage, StorageBackend, StorageStats, usable_prefix
@@ -21,7 +23,10 @@ from kvblocks.tiers.writer import AsyncWriter, WriterStats
 
 __all__ = [
     "HOST_POLICIES",
+    "KEYED",
+    "SLOT",
     "STORAGE_POLICIES",
+    "TIER_KINDS",
     "AdmittedTable",
     "AsyncWriter",
     "BlockSave",
@@ -29,14 +34,19 @@ __all__ = [
     "FileStorage",
     "GroupTransfers",
     "HostTier",
+    "KeyedTier",
     "LoadResult",
     "MemoryStorage",
     "RedisStorage",
+    "SlotTier",
     "StorageBackend",
     "StorageStats",
     "StorageTier",
     "StorageTierStats",
+    "Tier",
     "TierConfig",
+    "TierFactory",
+    "TierPlace",
     "TierStack",
     "TierStats",
     "TieredKVCacheManager",
@@ -47,6 +57,8 @@ __all__ = [
     "block_key",
     "group_tag",
     "namespace_tag",
+    "register_tier_kind",
+    "unregister_tier_kind",
     "usable_prefix",
 ]
 

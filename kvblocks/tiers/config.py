@@ -64,6 +64,10 @@ class TierConfig:
     with ``storage_policy``. Empty: storage serves group 0 only. Ignored without ``storage``."""
     host_eviction: str = DEFAULT_EVICTION
     """Which idle host block goes first when the host tier is full: ``"lru"`` or ``"s3fifo"``."""
+    kinds: tuple[str, ...] = ("host", "storage")
+    """Each attention group's tiers, top to bottom, by registered kind (:mod:`kvblocks.tiers.kinds`): at most
+    one slot tier (host-like) above at most one keyed tier (storage-like). A kind builds nothing in a group
+    the rest of this configuration gives it nothing in."""
 
     def __post_init__(self) -> None:
         _int_at_least(self.num_host_blocks, 0, "num_host_blocks")
@@ -107,6 +111,12 @@ class TierConfig:
             _int_at_least(count, 0, "every group_host_blocks entry")
         object.__setattr__(self, "group_host_blocks", per_group)
         object.__setattr__(self, "group_entry_formats", self._group_formats())
+        kinds = self.kinds
+        if isinstance(kinds, str) or not isinstance(kinds, (tuple, list)) or not kinds:
+            raise ConfigError(f"kinds must be a non-empty sequence of tier kind names, got {kinds!r}")
+        if not all(isinstance(k, str) and k for k in kinds) or len(set(kinds)) != len(kinds):
+            raise ConfigError(f"kinds must be distinct tier kind names, got {kinds!r}")
+        object.__setattr__(self, "kinds", tuple(kinds))
 
     def _group_formats(self) -> tuple[EntryFormat, ...]:
         """``group_entry_formats`` as a tuple of formats; raises :class:`ConfigError` for anything else."""

@@ -20,6 +20,7 @@ from kvblocks.backends.base import Backend
 from kvblocks.backends.cache import KVCache
 from kvblocks.backends.registry import get_backend
 from kvblocks.errors import ConfigError
+from kvblocks.tiers.storage_tier import StorageTier
 from kvblocks.tiers.transfers import GroupTransfers, LoadResult, TransferPlan
 
 if TYPE_CHECKING:
@@ -51,7 +52,10 @@ class TransferExecutor:
                 )
         if device_cache.num_blocks < manager.num_blocks:
             raise ConfigError(f"device cache has {device_cache.num_blocks} blocks, the manager {manager.num_blocks}")
-        if manager.storage is not None and manager.storage.num_shards != 1:
+        storage = manager.storage
+        if storage is not None and not isinstance(storage, StorageTier):
+            raise ConfigError(f"TransferExecutor reads storage entries; {type(storage).__name__} is another kind")
+        if storage is not None and storage.num_shards != 1:
             raise ConfigError("TransferExecutor moves one rank's shard; run one per rank with its own manager")
         self.manager = manager
         self.backend = backend

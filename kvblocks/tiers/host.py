@@ -33,6 +33,7 @@ from kvblocks.errors import IntegrityError, InvalidArgumentError
 from kvblocks.event_codec import AllBlocksCleared, BlockRemoved, BlockStored, is_group_tag
 from kvblocks.events import EventSink, record_changes
 from kvblocks.hashing import BlockHash
+from kvblocks.tiers.protocol import SLOT
 
 __all__ = ["HostTier"]
 
@@ -45,6 +46,8 @@ class HostTier:
     ``group_kind`` as the device index of the same group tags its own (both None: untagged);
     ``block_size`` (tokens per block, None: not said) goes into its ``BlockStored`` events.
     """
+
+    medium = SLOT
 
     def __init__(
         self,
@@ -110,6 +113,17 @@ class HostTier:
 
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._block_of or block_hash in self._pending
+
+    def holds(self, block_hash: BlockHash) -> bool:
+        """Whether a ready block holds ``block_hash`` (a lookup may count it). Pure."""
+        return block_hash in self._block_of
+
+    def flush(self, timeout: float | None) -> bool:
+        """Nothing is queued: the engine copies host blocks within the step's plan."""
+        return True
+
+    def close(self, timeout: float | None) -> None:
+        """No thread to stop, nothing to release: the engine owns the host cache tensors."""
 
     def block_of(self, block_hash: BlockHash) -> int | None:
         """The ready host block holding ``block_hash`` (None while absent or pending)."""

@@ -1,4 +1,5 @@
-"""One attention group's tiers below its device blocks: a host tier and a storage tier, and their policies.
+"""One attention group's tiers below its device blocks (a slot tier such as host memory, a keyed tier such as
+storage; :mod:`~kvblocks.tiers.protocol`), and their policies.
 
 Every attention group of a tiered manager (full attention, and each sliding-window or chunked-local
 group) owns one :class:`TierStack`, fed by that group's evictions and commits::
@@ -14,6 +15,7 @@ the stack never moves data and never waits.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from kvblocks.config import CacheConfig
 from kvblocks.core.groups.local_group import LocalGroupManager
@@ -23,10 +25,9 @@ from kvblocks.event_codec import BlockStored
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash, Namespace
 from kvblocks.tiers.config import TierConfig
-from kvblocks.tiers.entry import group_tag, namespace_tag
-from kvblocks.tiers.host import HostTier
+from kvblocks.tiers.kinds import TIER_KINDS, TierPlace
 from kvblocks.tiers.pending import _Counts, _GroupPlan
-from kvblocks.tiers.storage_tier import StorageTier
+from kvblocks.tiers.protocol import KEYED, SLOT, KeyedTier, SlotTier, Tier
 from kvblocks.tiers.transfers import BlockSave
 
 __all__ = ["TierStack", "tier_stacks"]
@@ -50,23 +51,22 @@ class TierStack:
         "save_back",
         "save_through",
         "storage",
+        "tiers",
         "wants_evicted",
         "writes_through",
     )
 
-    def __init__(
-        self,
-        number: int,
-        host: HostTier | None,
-        storage: StorageTier | None,
-        *,
-        host_policy: str,
-        storage_policy: str,
-        counts: _Counts,
-    ) -> None:
+    def __init__(self, number: int, tiers: Sequence[Tier], *, counts: _Counts, policies: TierConfig) -> None:
+        """``tiers`` top to bottom: at most one :data:`SLOT` tier, above at most one :data:`KEYED` tier;
+        ``policies``' host and storage policies say when each receives copies."""
+        media = [tier.medium for tier in tiers]
+        if media not in ([], [SLOT], [KEYED], [SLOT, KEYED]):
+            raise ConfigError(f"group {number}: tiers of media {media}; a stack holds one slot tier above one keyed")
         self.number = number
-        self.host = host
-        self.storage = storage
+        self.tiers = tuple(tiers)
+        host = self.host = cast("SlotTier", tiers[0]) if media[:1] == [SLOT] else None
+        storage = self.storage = cast("KeyedTier", tiers[-1]) if media[-1:] == [KEYED] else None
+        host_policy, storage_policy = policies.host_policy, policies.storage_policy
         self.host_back = host is not None and host_policy == "write-back"
         self.host_through = host is not None and host_policy == "write-through"
         self.save_back = storage is not None and storage_policy == "write-back"
@@ -75,9 +75,7 @@ class TierStack:
         self.writes_through = self.host_through or self.save_through
         self.counts = counts
         self.plan = _GroupPlan()
-        self.events = (host is not None and host.events is not None) or (
-            storage is not None and storage.events is not None
-        )
+        self.events = any(tier.events is not None for tier in tiers)
 
     # ------------------------------------------------------------------ what the tiers hold
 
@@ -90,21 +88,19 @@ class TierStack:
             if block is not None:
                 return HOST, block
         storage = self.storage
-        if storage is not None and storage.healthy and storage.is_known(key):
-            return STORED, -1
-        return None
+        return (STORED, -1) if storage is not None and storage.holds(key) else None
 
     def holds(self, key: BlockHash) -> bool:
         """Whether the host tier or (known, healthy) storage holds ``key``. Pure."""
         return self.where(key) is not None
 
-    def host_tier(self) -> HostTier:
+    def host_tier(self) -> SlotTier:
         """The host tier (the caller knows the group has one: a plan moves blocks through it)."""
         if self.host is None:
             raise IntegrityError(f"group {self.number} has no host tier")
         return self.host
 
-    def storage_tier(self) -> StorageTier:
+    def storage_tier(self) -> KeyedTier:
         """The storage tier (the caller knows the group has one: a plan saves or loads through it)."""
         if self.storage is None:
             raise IntegrityError(f"group {self.number} has no storage tier")
@@ -194,20 +190,13 @@ class TierStack:
     # ------------------------------------------------------------------ events and maintenance
 
     def publish(self) -> None:
-        """Emit what the group's host and storage tiers noted (with a sink only, on the manager's thread)."""
-        if self.host is not None:
-            self.host.publish()
-        if self.storage is not None:
-            self.storage.publish()
+        """Emit what the group's tiers noted (with a sink only, on the manager's thread)."""
+        for tier in self.tiers:
+            tier.publish()
 
     def snapshot_events(self) -> list[BlockStored]:
-        """The host tier's ready entries and the hashes storage is known to hold, as events. Pure."""
-        events: list[BlockStored] = []
-        if self.host is not None:
-            events += self.host.snapshot_events()
-        if self.storage is not None:
-            events += self.storage.snapshot_events()
-        return events
+        """What the group's tiers hold, as events, top tier first. Pure."""
+        return [event for tier in self.tiers for event in tier.snapshot_events()]
 
 
 def tier_stacks(
@@ -219,61 +208,42 @@ def tier_stacks(
     events: EventSink | None,
     tag: tuple[int | None, str | None],
 ) -> list[TierStack]:
-    """One stack per attention group from ``tiers``: group 0 (full attention, ``config``'s blocks, its events
-    tagged ``tag``), then each local group with its own host blocks (``group_host_blocks``) and, with
-    ``group_entry_formats``, its own storage keys and entry format in the same backend."""
+    """One stack per attention group, each holding the tiers ``tiers.kinds`` builds there (:mod:`kinds`):
+    group 0 (full attention, ``config``'s blocks, its events tagged ``tag``), then each local group (host
+    blocks from ``group_host_blocks``; storage, under keys of its own, with ``group_entry_formats``)."""
     if not isinstance(tiers, TierConfig):
         raise ConfigError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
-    per_group = tiers.group_host_blocks
-    if per_group and len(per_group) != len(locals_):
-        raise ConfigError(
-            f"group_host_blocks names {len(per_group)} groups, the manager has {len(locals_)} local groups"
-        )
-    formats = tiers.group_entry_formats if tiers.storage is not None else ()
-    if formats and len(formats) != len(locals_):
-        raise ConfigError(
-            f"group_entry_formats names {len(formats)} groups, the manager has {len(locals_)} local groups"
-        )
-    policies = {"host_policy": tiers.host_policy, "storage_policy": tiers.storage_policy}
-    group, kind = tag
+    for what, given in (
+        ("group_host_blocks", tiers.group_host_blocks),
+        ("group_entry_formats", tiers.group_entry_formats),
+    ):
+        if given and len(given) != len(locals_) and (what == "group_host_blocks" or tiers.storage is not None):
+            raise ConfigError(f"{what} names {len(given)} groups, the manager has {len(locals_)} local groups")
+    unknown = [kind for kind in tiers.kinds if kind not in TIER_KINDS]
+    if unknown:
+        raise ConfigError(f"unknown tier kinds {unknown}; registered: {sorted(TIER_KINDS)}")
     namespace = Namespace.of(config.namespace)
-    scheme, size, eviction = config.hash_scheme, config.block_size, tiers.host_eviction
-    first_host = (
-        HostTier(tiers.num_host_blocks, events=events, group=group, group_kind=kind, block_size=size, eviction=eviction)
-        if tiers.host_enabled
-        else None
-    )
-    first_storage = (
-        StorageTier(tiers, namespace, scheme, size, events=events, group=group, group_kind=kind)
-        if tiers.storage is not None
-        else None
-    )
-    stacks = [TierStack(0, first_host, first_storage, counts=counts, **policies)]
-    on = tiers.host_policy != "off"
-    base = namespace_tag(namespace, scheme, size)
-    for number, local in enumerate(locals_, 1):
-        count = per_group[number - 1] if per_group else 0
-        kind_name = local.kind.event_name
-        local_host = (
-            HostTier(count, events=events, group=number, group_kind=kind_name, block_size=local.block_size)
-            if on and count
-            else None
+    group, kind = tag
+    places = [
+        TierPlace(tiers, 0, config.block_size, 1, namespace, config.hash_scheme, config.block_size, events, group, kind)
+    ]
+    places += [
+        TierPlace(
+            tiers,
+            n,
+            local.block_size,
+            local.span,
+            namespace,
+            config.hash_scheme,
+            config.block_size,
+            events,
+            n,
+            local.kind.event_name,
         )
-        local_storage = (
-            StorageTier(
-                tiers,
-                namespace,
-                scheme,
-                local.block_size,
-                entry_format=formats[number - 1],
-                tag=group_tag(base, number, kind_name, local.block_size, local.span),
-                owns_backend=False,  # group 0's tier closes the backend, after the local groups' tiers
-                events=events,
-                group=number,
-                group_kind=kind_name,
-            )
-            if formats
-            else None
-        )
-        stacks.append(TierStack(number, local_host, local_storage, counts=counts, **policies))
+        for n, local in enumerate(locals_, 1)
+    ]
+    stacks = []
+    for place in places:
+        built = [TIER_KINDS[name](place) for name in tiers.kinds]
+        stacks.append(TierStack(place.number, [t for t in built if t is not None], counts=counts, policies=tiers))
     return stacks

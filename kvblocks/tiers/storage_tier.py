@@ -45,12 +45,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvblocks.errors import ConfigError, InvalidArgumentError
+from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError
 from kvblocks.events import EventSink, record_changes
 from kvblocks.events.codec import BlockStored, is_group_tag
 from kvblocks.hashing import BlockHash, Namespace
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.entry import HEADER, EntryFormat, block_key, namespace_tag
+from kvblocks.tiers.protocol import KEYED
 from kvblocks.tiers.storage import StorageBackend
 from kvblocks.tiers.storage_reads import SHARED_READ_BYTES, EntryReader
 from kvblocks.tiers.storage_stats import LoadOutcome, StorageTierStats
@@ -75,6 +76,8 @@ class _Request:
 
 class StorageTier:
     """Keys, index, writer and reader of one manager's storage tier (see the module docstring)."""
+
+    medium = KEYED
 
     def __init__(
         self,
@@ -201,6 +204,15 @@ class StorageTier:
                     break
                 n += 1
         return n
+
+    def holds(self, block_hash: BlockHash) -> bool:
+        """Whether a lookup may count ``block_hash`` as stored: known stored, and reads are answered. Pure."""
+        return self._healthy and block_hash in self._index
+
+    def check_integrity(self) -> None:
+        """The index of known-stored hashes stays within ``storage_index_size``."""
+        if len(self._index) > self._index_size:
+            raise IntegrityError(f"storage index holds {len(self._index)} hashes, more than {self._index_size}")
 
     def is_known(self, block_hash: BlockHash) -> bool:
         return block_hash in self._index

@@ -50,10 +50,11 @@ from kvblocks.event_codec import BlockStored
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.tiers.config import TierConfig
-from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.pending import TierStats, _Admission, _Counts, _Pending, _Plan
+from kvblocks.tiers.protocol import KeyedTier, SlotTier, Tier
 from kvblocks.tiers.stack import tier_stacks
-from kvblocks.tiers.storage_tier import LoadOutcome, StorageTier
+from kvblocks.tiers.storage_stats import LoadOutcome
+from kvblocks.tiers.storage_tier import StorageTier
 from kvblocks.tiers.transfers import GroupTransfers, TransferPlan, per_group
 
 __all__ = ["Tiering"]
@@ -111,7 +112,7 @@ class Tiering:
         for local in groups.locals:
             local.require_block_per_position("a tiered manager")
         tiering = cls(tiers, config, groups.full.pool, groups.locals, events=events, tag=tag)
-        if all(stack.host is None and stack.storage is None for stack in tiering.stacks):
+        if not any(stack.tiers for stack in tiering.stacks):
             return None
         groups.full.tiers = tiering.stacks[0]
         for local, stack in zip(groups.locals, tiering.stacks[1:], strict=True):
@@ -127,11 +128,11 @@ class Tiering:
     # ------------------------------------------------------------------ queries
 
     @property
-    def host(self) -> HostTier | None:
+    def host(self) -> SlotTier | None:
         return self.stacks[0].host
 
     @property
-    def storage(self) -> StorageTier | None:
+    def storage(self) -> KeyedTier | None:
         return self.stacks[0].storage
 
     def probe(self, seq_id: Hashable, hashes: Sequence[BlockHash], start: int, limit: int) -> None:
@@ -427,24 +428,25 @@ class Tiering:
                 stack.host.clear()
 
     def flush(self, timeout: float | None) -> bool:
-        """Wait until every group's queued storage writes are done. True if they are."""
+        """Wait until every tier's queued writes are done. True if they are."""
         deadline = None if timeout is None else time.monotonic() + timeout
         done = True
-        for stack in (*self.stacks[1:], self.stacks[0]):
-            if stack.storage is not None:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                done = stack.storage.flush(left) and done
+        for tier in self._tiers_closing_order():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done = tier.flush(left) and done
         return done
 
     def close(self, timeout: float | None) -> None:
-        """Stop every group's storage threads, group 0's last (it closes the backend)."""
-        for stack in (*self.stacks[1:], self.stacks[0]):
-            if stack.storage is not None:
-                stack.storage.close(timeout)
+        """Stop every tier's threads, group 0's last (its storage tier closes the shared backend)."""
+        for tier in self._tiers_closing_order():
+            tier.close(timeout)
+
+    def _tiers_closing_order(self) -> list[Tier]:
+        return [tier for stack in (*self.stacks[1:], self.stacks[0]) for tier in stack.tiers]
 
     def stats(self) -> TierStats:
         host = self.host
-        storage = self.storage
+        storage = self.storage if isinstance(self.storage, StorageTier) else None  # another keyed kind: no figures
         return TierStats(
             host_blocks=host.pool.num_blocks if host is not None else 0,
             host_blocks_cached=len(host) if host is not None else 0,

@@ -199,8 +199,8 @@ class GroupCoordinator:
         size = self.block_size
         need = (covered + lookahead + size - 1) // size - len(table)
         if need > 0:
-            if not self.room_to_grow(s, need):
-                return False
+            if need > self.full.pool.num_free or (self.locals and self.growth_short(id(s), len(table) + need) > 0):
+                return False  # room_to_grow, inlined: this runs once per block a decoding sequence fills
             table += self.full.take(need)
         elif need < 0:
             surplus = table[need:]

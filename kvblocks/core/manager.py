@@ -351,7 +351,11 @@ class KVCacheManager(GroupCalls, TierCalls):
             return self._admit(seq_id, s, n, k, self._admission.expected(num_cached_tokens))
         if num_cached_tokens is not None:
             raise InvalidArgumentError(f"sequence {seq_id!r} is admitted: num_cached_tokens is for admissions")
-        return s.view if self._groups.grow(s, s.num_covered + n, k) else None
+        covered = s.num_covered + n
+        if k == s.lookahead and (covered + k + self._block_size - 1) // self._block_size == len(s.table):
+            s.num_covered = covered  # the common decode call: the slots fit in the table as it is
+            return s.view
+        return s.view if self._groups.grow(s, covered, k) else None
 
     def _check_can_change(self, seq_id: Hashable, s: _Sequence, what: str) -> None:
         """Raise if ``s`` may not grow or commit now: copies are pending (commit), or its role refuses."""
@@ -403,8 +407,13 @@ class KVCacheManager(GroupCalls, TierCalls):
         n = num_computed_tokens
         if type(n) is not int:
             n = _count_arg(n, "num_computed_tokens")
-        self._check_commit(seq_id, s, n)
-        self._commit(s, n)
+        slots = s.num_covered + s.lookahead  # the full check only where it may refuse:
+        if s.table is None or self._guards_changes or not s.num_committed <= n <= slots or n > s.content.num_tokens:
+            self._check_commit(seq_id, s, n)
+        if n // self._block_size == s.num_committed // self._block_size and n <= s.num_covered and self._beside is None:
+            s.num_committed = n  # the common decode commit: no block completes, no other group is told
+        else:
+            self._commit(s, n)
 
     def _check_commit(self, seq_id: Hashable, s: _Sequence, n: int, appended: int = 0) -> None:
         """Raise unless ``commit(seq_id, n)`` is valid once ``appended`` more tokens are known."""

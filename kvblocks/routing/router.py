@@ -54,7 +54,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
-from kvblocks.errors import ConfigError, InvalidArgumentError, KVBlocksError
+from kvblocks.errors import ConfigError, InvalidArgumentError, InvalidBlockHashError, KVBlocksError
 from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvblocks.events.codec import is_prefix_event
 from kvblocks.hashing import BlockExtras, BlockHash, BlockHasher, HashedTokens, validate_block_hashes
@@ -311,7 +311,17 @@ class Router:
                 raise InvalidArgumentError("give token_ids or block_hashes, not both")
             if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
                 raise InvalidArgumentError("block_hashes need num_tokens, the prompt length")
-            hashes: Sequence[BlockHash] = validate_block_hashes(block_hashes, distinct=False)  # repeats pass
+            # Checked where read: the walk refuses a bad hash it reads (naming its position) and never reads
+            # past the run it matched, so a route costs its matched prefix, not the prompt's length.
+            # Approximate mode remembers every hash for the worker it picks: it checks them all.
+            if config.mode == "approximate":
+                hashes: Sequence[BlockHash] = validate_block_hashes(block_hashes, distinct=False)  # repeats pass
+            elif isinstance(block_hashes, (list, tuple)):
+                hashes = block_hashes
+            elif not isinstance(block_hashes, Iterable):
+                raise InvalidBlockHashError(f"block_hashes must be a sequence, got {type(block_hashes).__name__}")
+            else:
+                hashes = list(block_hashes)
             if len(hashes) > num_tokens // size:
                 raise InvalidArgumentError(f"{len(hashes)} block hashes for a {num_tokens}-token prompt")
             prompt_tokens = num_tokens

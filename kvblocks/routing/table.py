@@ -100,6 +100,27 @@ class KeyTable:
             return xxhash.xxh3_64_intdigest(data, self._seed ^ _WIDE_INT_SEED)  # apart from bytes digests
         raise InvalidBlockHashError(f"a block hash is an int or bytes, got {type(h).__name__}")
 
+    def read_key(self, h: object, position: int) -> int:
+        """:meth:`fold` of a prompt's hash the walk reads, refused as
+        :func:`~kvblocks.hashing.validate_block_hashes` refuses it, naming ``position``: a route checks the
+        hashes it reads, not the ones past the run it matched."""
+        if isinstance(h, bytes):
+            if not h:
+                raise InvalidBlockHashError(f"block hash at position {position} is empty bytes")
+        elif not isinstance(h, bool):
+            try:
+                wide = operator.index(h)  # type: ignore[arg-type]  # numpy integers index as their ints
+            except TypeError:
+                raise InvalidBlockHashError(
+                    f"block hash at position {position} must be int or bytes, got {type(h).__name__}"
+                ) from None
+            if wide < 0:
+                raise InvalidBlockHashError(f"block hash at position {position} is negative: {wide}")
+            return self.fold(wide)
+        else:
+            raise InvalidBlockHashError(f"block hash at position {position} must be int or bytes, got bool")
+        return self.fold(h)
+
     def fold_all(self, hashes: Iterable[BlockHash]) -> list[int]:
         """``[fold(h) for h in hashes]``, in C when every hash is a 64-bit int (an event's usual batch):
         ``array('Q')`` refuses anything else, and a ``bool`` (which it would take) sends the batch to the

@@ -26,7 +26,7 @@ class PrefixWalk(KeyTable):
         """``probe(i)``: the holders of the prompt's block ``i``; ``linked(i, who)``: each worker of ``who``
         (holders of block ``i``) stated the prompt's block ``i - 1`` as its parent. Both remember what they
         looked up."""
-        fold = self.fold
+        read_key = self.read_key
         masks, ids, parents, has_parent = self._holders.values, self._ids, self._parents, self._has_parent
         slots: dict[int, int] = {}  # probed position -> slot (-1: no row)
         folded: dict[int, int] = {}  # position -> key, for the positions probed or link-checked
@@ -36,7 +36,7 @@ class PrefixWalk(KeyTable):
             key = folded.get(i)
             if key is None:
                 h = hashes[i]
-                key = folded[i] = h if type(h) is int and 0 <= h <= M64 else fold(h)
+                key = folded[i] = h if type(h) is int and 0 <= h <= M64 else read_key(h, i)
             return key
 
         def probe(i: int) -> int:  # fold and _find, inlined: this is the walk's whole cost
@@ -82,6 +82,8 @@ class PrefixWalk(KeyTable):
             return None
         n = len(hashes)
         probe, linked = self._probes(hashes)
+        if not n or not probe(0) & alive:
+            return 0, 0  # nobody holds the first block (a miss): one probe, whatever the prompt's length
         lo, hi, top = -1, n, 0  # someone holds block lo (-1: vacuously); nobody holds block hi (n: past the end)
         mid = n - 1
         while hi - lo > 1:

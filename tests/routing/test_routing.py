@@ -374,14 +374,34 @@ def test_routing_by_hashes_matches_routing_by_tokens() -> None:
     ],
 )
 def test_route_refuses_the_block_hashes_a_manager_refuses(bad: list) -> None:
-    r = router()
+    """Where the route reads them: the whole prompt when the workers hold all of its valid part (the walk
+    reads up to the bad hash), and always in approximate mode (which remembers every hash)."""
     m = KVCacheManager(num_blocks=8, block_size=B)
     with pytest.raises(InvalidBlockHashError):
         m.add_sequence("s", block_hashes=bad, num_tokens=len(bad) * B + 1)
-    with pytest.raises(InvalidBlockHashError):
-        r.route(block_hashes=bad, num_tokens=len(bad) * B + 1)
-    assert r.routed == 0
-    assert all(r.load(w).running == 0 and r.load(w).inflight_prefill_tokens == 0 for w in r.workers)
+    exact, approximate = router(), router(mode="approximate")
+    first_bad = next(i for i, h in enumerate(bad) if not ((type(h) is int and h >= 0) or (type(h) is bytes and h)))
+    if first_bad:  # the prefix before it is held, so the walk goes on to read it
+        exact.apply_events("w1", [BlockStored(tuple(bad[:first_bad]), None, "device")])
+    for r in (exact, approximate):
+        with pytest.raises(InvalidBlockHashError):
+            r.route(block_hashes=bad, num_tokens=len(bad) * B + 1)
+        assert r.routed == 0
+        assert all(r.load(w).running == 0 and r.load(w).inflight_prefill_tokens == 0 for w in r.workers)
+
+
+def test_a_route_reads_the_hashes_of_its_matched_run_only() -> None:
+    """A miss reads the first hash; a hit reads its run and the hash after it. What lies past them is not read
+    (and not refused): a route costs its matched prefix, not the prompt's length."""
+    r = router()
+    h = hashes(tokens(4))
+    assert pick(r, block_hashes=[h[0], -1], num_tokens=2 * B + 1) in r.workers  # nobody holds h0: -1 is not read
+    with pytest.raises(InvalidBlockHashError, match="position 0"):
+        r.route(block_hashes=[-1, h[0]], num_tokens=2 * B + 1)
+    r.apply_events("w1", [BlockStored(tuple(h[:2]), None, "device")])
+    with pytest.raises(InvalidBlockHashError, match="position 2 is negative"):
+        r.route(block_hashes=[h[0], h[1], -1], num_tokens=3 * B + 1)
+    assert r.routed == 1
 
 
 def test_a_repeated_hash_ends_the_prompts_chain_where_it_repeats() -> None:

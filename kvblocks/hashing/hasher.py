@@ -13,7 +13,14 @@ import numpy as np
 from kvblocks.errors import InvalidArgumentError, InvalidBlockHashError, SequenceStateError
 from kvblocks.hashing.extras import BlockExtras, _Framer
 from kvblocks.hashing.schemes import DEFAULT_SCHEME, Namespace, get_scheme
-from kvblocks.hashing.tokens import _BIG_ENDIAN, BlockHash, _check_index, pack_tokens, validate_block_hashes
+from kvblocks.hashing.tokens import (
+    _BIG_ENDIAN,
+    BlockHash,
+    _check_index,
+    bad_token,
+    pack_tokens,
+    validate_block_hashes,
+)
 
 __all__ = ["BlockHasher", "HashedTokens", "PrecomputedHashes", "block_hashes"]
 
@@ -93,9 +100,17 @@ class HashedTokens:
         return tuple(self._tokens)
 
     def extend(self, token_ids: Iterable[int]) -> int:
-        """Append tokens; return how many new full blocks were hashed."""
-        packed = pack_tokens(token_ids)
-        return self.extend_packed(packed)
+        """Append tokens; return how many new full blocks were hashed. Bad tokens change nothing."""
+        if type(token_ids) is tuple or type(token_ids) is list:  # a decode step's sampled tokens: packed in place
+            tokens = self._tokens
+            before = len(tokens)
+            try:
+                tokens.extend(token_ids)
+            except (OverflowError, TypeError):
+                del tokens[before:]  # array.extend keeps what it packed before the bad token
+                raise bad_token(token_ids) from None
+            return self._hash_new_blocks()
+        return self.extend_packed(pack_tokens(token_ids))
 
     def extend_packed(self, packed: array[int]) -> int:
         self._tokens.extend(packed)

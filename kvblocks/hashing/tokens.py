@@ -56,7 +56,7 @@ def pack_tokens(token_ids: Iterable[int]) -> array[int]:
     try:
         return array("I", token_ids)
     except (OverflowError, TypeError):
-        raise _bad_token(token_ids) from None
+        raise bad_token(token_ids) from None
 
 
 def _pack_ndarray(arr: np.ndarray) -> array[int]:
@@ -65,13 +65,13 @@ def _pack_ndarray(arr: np.ndarray) -> array[int]:
     if arr.dtype.kind not in "iu":
         raise InvalidTokenError(f"token ids must have an integer dtype, got {arr.dtype}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= TOKEN_LIMIT):
-        raise _bad_token(arr.tolist())
+        raise bad_token(arr.tolist())
     out = array("I")
     out.frombytes(arr.astype("=u4", copy=False).tobytes())
     return out
 
 
-def _bad_token(tokens: Sequence[object]) -> InvalidTokenError:
+def bad_token(tokens: Sequence[object]) -> InvalidTokenError:
     for index, tok in enumerate(tokens):
         if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
             return InvalidTokenError(f"token id at position {index} is not an integer: {tok!r}")

@@ -446,3 +446,15 @@ def test_validate_block_hashes_takes_exactly_the_valid_chains(hashes: list[objec
         return
     got = validate_block_hashes(hashes, distinct=distinct)  # type: ignore[arg-type]
     assert got == expected and [type(h) for h in got] == [type(h) for h in expected]
+
+
+@pytest.mark.parametrize("bad", [[5, -1], (5, 1 << 32), [5, 1.5], (5, "6"), [5, None]])
+def test_a_bad_token_in_an_appended_list_or_tuple_changes_nothing(bad) -> None:
+    """The list/tuple append packs straight into the sequence's tokens; a bad token takes back what it
+    packed before it, and the error names the bad position as pack_tokens does."""
+    content = HashedTokens(BlockHasher(4), list(range(6)))
+    hashes = list(content.hashes)
+    with pytest.raises(InvalidTokenError, match="position 1"):
+        content.extend(bad)
+    assert content.token_ids == tuple(range(6)) and content.num_tokens == 6 and content.hashes == hashes
+    assert content.extend((6, 7)) == 1 and content.hashes[1] == HashedTokens(BlockHasher(4), range(8)).hashes[1]

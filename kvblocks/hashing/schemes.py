@@ -11,6 +11,10 @@
     ``local_i = xxh3_64(tokens as u32 LE, seed=1337)``, ``seq_0 = local_0``,
     ``seq_i = xxh3_64(seq_{i-1} as u64 LE || local_i as u64 LE, seed=1337)``;
     hashes are Python ``int``.
+``dynamo-xxh3-64``
+    The same chain with Dynamo's extras, bit for bit (:mod:`kvblocks.hashing.dynamo`): a LoRA adapter and a
+    cache namespace (``BlockExtras.cache_salt``) move the local hashes' seed; multimodal items append their
+    64-bit hashes to the blocks they overlap. Equal to ``xxh3-64-1337`` without extras.
 ``vllm-sha256``, ``vllm-sha256-cbor``, ``vllm-xxhash``, ``vllm-xxhash-cbor``
     vLLM's own block hashes, bit for bit (:mod:`kvblocks.hashing.vllm`): its root and extra keys follow
     vLLM's rules, not the namespace framing and typed frames (:mod:`kvblocks.hashing.extras`).
@@ -34,6 +38,7 @@ from itertools import repeat
 import xxhash
 
 from kvblocks.errors import ConfigError, InvalidBlockHashError
+from kvblocks.hashing.dynamo import DynamoBlockExtras, dynamo_extras
 from kvblocks.hashing.extras import (
     _ROOT_MAGIC,
     _TAG_ROOT_BLOCK_SIZE,
@@ -200,12 +205,43 @@ class _Xxh3x64Standard(HashScheme):
         return out
 
 
+class _DynamoXxh3x64(_Xxh3x64Standard):
+    """Dynamo's chain with its extras (:mod:`kvblocks.hashing.dynamo`): a request's LoRA adapter and cache
+    namespace move the local hashes' seed, multimodal items append their 64-bit hashes to the blocks they
+    overlap. Without extras, the ``xxh3-64-1337`` chain."""
+
+    name = "dynamo-xxh3-64"
+
+    def make_framer(self, extras: BlockExtras, block_size: int) -> _Framer | None:
+        return dynamo_extras(extras, block_size)
+
+    def chain(
+        self, blocks: list[bytes], parent: BlockHash | None, framer: _Framer | None, first_index: int
+    ) -> list[BlockHash]:
+        if framer is None:
+            return super().chain(blocks, parent, None, first_index)
+        if not isinstance(framer, DynamoBlockExtras):
+            raise ConfigError(f"{self.name} needs its own per-block extras: build them with make_framer")
+        h64 = xxhash.xxh3_64_intdigest
+        seed, mm = framer.seed, framer.mm_bytes
+        pack = _PAIR_U64.pack
+        out: list[BlockHash] = []
+        prev = parent
+        for index, blk in enumerate(blocks, first_index):
+            extra = mm.get(index)
+            local = h64(blk if extra is None else blk + extra, seed)
+            prev = local if prev is None else h64(pack(prev, local), self.SEED)
+            out.append(prev)
+        return out
+
+
 _PAIR_U64 = struct.Struct("<QQ")
 
 HASH_SCHEMES: dict[str, HashScheme] = {
     "xxh3-128": _DigestChain("xxh3-128", xxhash.xxh3_128_digest),
     "sha256": _DigestChain("sha256", _sha256),
     "xxh3-64-1337": _Xxh3x64Standard(),
+    "dynamo-xxh3-64": _DynamoXxh3x64(),
 }
 
 

@@ -231,7 +231,7 @@ class KVCacheManager(GroupCalls, TierCalls):
             raise InvalidArgumentError(f"skip_cache_read must be a bool, got {skip_cache_read!r}")
         s = self._seqs[seq_id] = _Sequence(content, skip_cache_read)
         if extras is not None:
-            s.lora_name = extras.lora
+            s.lora_name, s.lora_id = extras.lora, extras.lora_id
         self._freed.pop(seq_id, None)
         tiers = self._tiers
         if tiers is not None and self._caching and not skip_cache_read:  # which blocks does storage hold?

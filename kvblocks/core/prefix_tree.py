@@ -239,6 +239,7 @@ class PrefixTree:
         *,
         tokens: Sequence[int] | None = None,
         lora_name: str | None = None,
+        lora_id: int | None = None,
         stable: bool = False,
     ) -> list[int]:
         """Make ``blocks[start:stop]`` findable under ``hashes[start:stop]``; return what was already cached.
@@ -250,7 +251,7 @@ class PrefixTree:
         tree keeps the first. The new blocks must be in use (their KV was just written)
         and the parent ``hashes[start-1]`` must be cached. Emits one ``BlockStored``, carrying
         the new blocks' token ids when ``tokens`` (the sequence's tokens, from its first) and
-        the tree's ``block_size`` are known, and ``lora_name``. ``stable``: ``hashes`` and ``tokens``
+        the tree's ``block_size`` are known, and ``lora_name`` / ``lora_id``. ``stable``: ``hashes`` and ``tokens``
         only grow (positions below ``stop`` never change), so the event reads its parts from them when it
         is built (:func:`~kvblocks.event_codec.stored_range_event`) instead of copying them now. On any
         error nothing changes.
@@ -304,15 +305,16 @@ class PrefixTree:
             self._unlink(hashes, blocks, first_new, i)
             raise self._insert_problem(hashes, blocks, first_new, max(i, first_new)) from None
         if self._events is not None:
+            lora = lora_name if lora_id is None else (lora_name, lora_id)
             if stable:
-                self._events.record(self._stored_range, hashes, first_new, stop, tokens, lora_name)
+                self._events.record(self._stored_range, hashes, first_new, stop, tokens, lora)
                 return existing
             parent_hash = hashes[first_new - 1] if first_new > 0 else None
             size = self.block_size
             token_ids = None if tokens is None or size is None else tokens[first_new * size : stop * size]
             if type(token_ids) is array and token_ids.typecode == "I":  # its bytes: nothing the GC tracks
                 token_ids = token_ids.tobytes()
-            self._events.record(self._stored, hashes[first_new:stop], parent_hash, token_ids, lora_name)
+            self._events.record(self._stored, hashes[first_new:stop], parent_hash, token_ids, lora)
         return existing
 
     def _unlink(self, hashes: Sequence[BlockHash], blocks: Sequence[int], first: int, stop: int) -> None:

@@ -63,6 +63,7 @@ class _Sequence:
     __slots__ = (
         "content",
         "lookahead",
+        "lora_id",
         "lora_name",
         "num_committed",
         "num_covered",
@@ -77,6 +78,7 @@ class _Sequence:
     def __init__(self, content: HashedTokens | PrecomputedHashes, skip_read: bool = False) -> None:
         self.content = content
         self.lora_name: str | None = None  # the adapter its blocks are computed with (their events name it)
+        self.lora_id: int | None = None  # and the engine's id for it (their events carry it)
         self.table: list[int] | None = None
         self.view: BlockTable | None = None
         self.pins: dict[int, int] | None = None  # position -> tree node pinned instead of a private duplicate

@@ -178,16 +178,28 @@ def stored_event(
     block_hashes: Iterable[BlockHash],
     parent_hash: BlockHash | None,
     token_ids: Sequence[int] | None,
-    lora_name: str | None,
+    lora: str | tuple[str, int] | None,
 ) -> BlockStored:
     """A cache's ``BlockStored`` from its fixed tags and one commit's parts: the factory a cache records
     (``functools.partial(stored_event, tier, group, group_kind, block_size)``), so that its hot path passes
     four arguments and never builds the tuple of hashes. ``token_ids`` may be the bytes of an ``array('I')``:
-    what a cache records, as bytes are the one form of them the garbage collector does not track."""
+    what a cache records, as bytes are the one form of them the garbage collector does not track. ``lora``:
+    the adapter's name, or its name and the engine's integer id for it."""
     if type(token_ids) is bytes:
         token_ids = array("I", token_ids)
+    lora_id = None
+    if type(lora) is tuple:
+        lora, lora_id = lora
     return BlockStored(
-        tuple(block_hashes), parent_hash, tier, token_ids, group, group_kind, block_size, None, lora_name
+        tuple(block_hashes),
+        parent_hash,
+        tier,
+        token_ids,
+        group,
+        group_kind,
+        block_size,
+        lora_id,
+        lora,  # type: ignore[arg-type]
     )
 
 
@@ -200,7 +212,7 @@ def stored_range_event(
     start: int,
     stop: int,
     tokens: Sequence[int] | None,
-    lora_name: str | None,
+    lora: str | tuple[str, int] | None,
 ) -> BlockStored:
     """The ``BlockStored`` of blocks ``start..stop-1`` of one sequence, read from the sequence's own ``chain``
     of hashes and ``tokens`` when the event is built, not when it is recorded: what a cache records for a
@@ -212,9 +224,7 @@ def stored_range_event(
 
     Only sound while positions below ``stop`` of both never change: a sequence's
     :class:`~kvblocks.hashing.HashedTokens` appends, and replaces rather than cuts when it truncates."""
-    return stored_event(
-        tier, group, group_kind, block_size, *range_parts(chain, start, stop, tokens, block_size), lora_name
-    )
+    return stored_event(tier, group, group_kind, block_size, *range_parts(chain, start, stop, tokens, block_size), lora)
 
 
 def range_parts(

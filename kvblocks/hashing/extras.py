@@ -99,12 +99,16 @@ class BlockExtras:
       which the chain carries to every later block.
     * ``mm_items``: multimodal items; each is framed into exactly the blocks it
       overlaps (:func:`blocks_overlapping`).
+    * ``lora_id``: the engine's integer id of the adapter (vLLM's ``lora_int_id``, an int >= 1; needs
+      ``lora``). Not part of any hash (an engine assigns ids per run): the ``BlockStored`` events of the
+      blocks carry it as vLLM's ``lora_id``, beside ``lora_name``.
     """
 
     lora: str | None = None
     cache_salt: str | bytes | None = None
     mm_items: tuple[MultimodalItem, ...] = field(default=())
     lora_path: str | None = None
+    lora_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.lora is not None and (not isinstance(self.lora, str) or not _as_bytes(self.lora, "lora")):
@@ -114,6 +118,11 @@ class BlockExtras:
                 raise ConfigError(f"lora_path must be a non-empty str, got {self.lora_path!r}")
             if self.lora is None:
                 raise ConfigError("lora_path is given without lora: a path names an adapter only with its name")
+        if self.lora_id is not None:
+            if isinstance(self.lora_id, bool) or not isinstance(self.lora_id, int) or self.lora_id < 1:
+                raise ConfigError(f"lora_id must be an int >= 1, got {self.lora_id!r}")
+            if self.lora is None:
+                raise ConfigError("lora_id is given without lora: an id names an adapter only with its name")
         if self.cache_salt is not None and not _as_bytes(self.cache_salt, "cache_salt"):
             raise ConfigError("cache_salt must not be empty")
         items = tuple(self.mm_items)

@@ -65,7 +65,9 @@ class FullAttentionGroup:
         table = s.table
         if table is None:  # pragma: no cover - the caller commits admitted sequences only
             raise IntegrityError("only an admitted sequence commits")
-        existing = tree.insert(content.hashes, table, start, stop, tokens=tokens, lora_name=s.lora_name, stable=True)
+        existing = tree.insert(
+            content.hashes, table, start, stop, tokens=tokens, lora_name=s.lora_name, lora_id=s.lora_id, stable=True
+        )
         if existing:
             pins = s.pins if s.pins is not None else {}
             nodes = []

@@ -8,13 +8,16 @@ group's) KV is caught by :meth:`Node.check_sequence`.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 
 import xxhash
 
 from kvblocks import CacheConfig, DisaggConfig, manager_for_role
 from kvblocks.hybrid import PLACEHOLDER, LocalGroup
 from kvblocks.tiers import EntryFormat, MemoryStorage, TierConfig
+from kvblocks.tiers.kinds import TierPlace, register_tier_kind, unregister_tier_kind
+from tests.support.peer_tier import PeerTier
 
 B = 4  # tokens per block, every group
 PAYLOAD = 16
@@ -24,6 +27,7 @@ PARTIAL = b"\xdd" * PAYLOAD  # a block whose tokens are only partly computed
 
 HYBRIDS = (False, True)
 TIERS = ("none", "host", "storage")
+PEER = "peer"  # a host tier above a keyed tier registered from test code (tests/support/peer_tier.py)
 ROLES = ("mixed", "prefill", "decode")
 COMBINATIONS = list(itertools.product(HYBRIDS, TIERS, ROLES))
 
@@ -50,6 +54,8 @@ def tiers_for(kind: str, hybrid: bool) -> TierConfig | None:
         return None
     if kind == "host":
         return TierConfig(num_host_blocks=HOST_BLOCKS[0], group_host_blocks=per_group)
+    if kind == PEER:  # the kind must be registered (peer_kind)
+        return TierConfig(num_host_blocks=HOST_BLOCKS[0], group_host_blocks=per_group, kinds=("host", PEER))
     return TierConfig(
         num_host_blocks=HOST_BLOCKS[0],
         group_host_blocks=per_group,
@@ -57,6 +63,20 @@ def tiers_for(kind: str, hybrid: bool) -> TierConfig | None:
         entry_format=FORMAT,
         group_entry_formats=(FORMAT, FORMAT) if hybrid else (),
     )
+
+
+@contextmanager
+def peer_kind() -> Iterator[None]:
+    """The "peer" tier kind while the block runs: every attention group gets a peer tier of its own memory."""
+
+    def build(place: TierPlace) -> PeerTier:
+        return PeerTier({}, payload=PAYLOAD)
+
+    register_tier_kind(PEER, build)
+    try:
+        yield
+    finally:
+        unregister_tier_kind(PEER)
 
 
 def build(hybrid: bool, tier: str, role: str, num_blocks: int = NUM_BLOCKS) -> object:

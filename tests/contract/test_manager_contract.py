@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvblocks.disagg import PrefillHandoff
 from kvblocks.errors import KVBlocksError
 
-from .engine import COMBINATIONS, GARBAGE, B, Node, build, build_peer
+from .engine import COMBINATIONS, GARBAGE, HYBRIDS, PEER, ROLES, B, Node, build, build_peer, peer_kind
 
 BASES = (
     [1000 + i for i in range(48)],
@@ -233,7 +233,7 @@ class ManagerContract(RuleBasedStateMachine):
                     m.allocate(seq, 1)  # type: ignore[attr-defined]
                 assert m.num_tokens(seq) == len(self.tokens[seq])  # type: ignore[attr-defined]
 
-    @precondition(lambda self: self.TIER == "storage")
+    @precondition(lambda self: self.TIER in ("storage", PEER))
     @rule(data=st.data())
     def settle(self, data: st.DataObject) -> None:
         """Let queued writes and reads finish, then step until every admitted sequence's copies settled."""
@@ -356,6 +356,19 @@ def machine_for(hybrid: bool, tier: str, role: str) -> type[ManagerContract]:
 )
 def test_manager_contract(hybrid: bool, tier: str, role: str) -> None:
     run_state_machine_as_test(machine_for(hybrid, tier, role), settings=SETTINGS)
+
+
+PEERED = [(hybrid, PEER, role) for hybrid in HYBRIDS for role in ROLES]
+
+
+@pytest.mark.parametrize(
+    ("hybrid", "tier", "role"), PEERED, ids=[f"{'hybrid' if h else 'single'}-{t}-{r}" for h, t, r in PEERED]
+)
+def test_manager_contract_over_a_tier_registered_from_test_code(hybrid: bool, tier: str, role: str) -> None:
+    """The same machine with a host tier above a keyed tier no module of kvblocks knows: the tier protocol
+    carries every rule the built-in storage tier is held to."""
+    with peer_kind():
+        run_state_machine_as_test(machine_for(hybrid, tier, role), settings=SETTINGS)
 
 
 TIERED = [c for c in COMBINATIONS if c[1] != "none"]

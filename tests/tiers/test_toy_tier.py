@@ -1,7 +1,8 @@
-"""A tier added from this file alone: a keyed tier (the medium storage uses) over a peer node's memory, one class
-plus one registry entry. ``TierConfig(kinds=...)`` then puts it under a manager's device blocks, and the manager
-writes committed blocks into it and loads them back for another manager, through the same plans, polls and
-checks the built-in storage tier goes through."""
+"""A tier added from test code alone: a keyed tier (the medium storage uses) over a peer node's memory, one class
+(``tests/support/peer_tier.py``) plus one registry entry, here. ``TierConfig(kinds=...)`` then puts it under a
+manager's device blocks, and the manager writes committed blocks into it and loads them back for another manager,
+through the same plans, polls and checks the built-in storage tier goes through. The manager contract suite runs
+its state machine over it too (the "peer" tier)."""
 
 from __future__ import annotations
 
@@ -10,101 +11,16 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from kvblocks import KVCacheManager
-from kvblocks.errors import ConfigError, IntegrityError, InvalidArgumentError
-from kvblocks.event_codec import BlockStored
-from kvblocks.events import EventSink
+from kvblocks.errors import ConfigError, InvalidArgumentError
 from kvblocks.hashing import BlockHash
 from kvblocks.tiers import TierConfig
 from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.kinds import TIER_KINDS, TierPlace, register_tier_kind, unregister_tier_kind
-from kvblocks.tiers.protocol import KEYED, KeyedTier, SlotTier
-from kvblocks.tiers.storage_stats import LoadOutcome
+from kvblocks.tiers.protocol import KeyedTier, SlotTier
+from tests.support.peer_tier import PeerTier
 
 BLOCK = 4
 PAYLOAD = 8  # bytes a block's KV takes on the peer
-
-
-class PeerTier:
-    """Blocks a peer node keeps in memory, by chain hash (``memory`` is shared by every node's tier). Its reads
-    answer at the next poll; it knows what it holds without asking anyone, so it never probes."""
-
-    medium = KEYED
-    timeout_s = 1.0
-
-    def __init__(self, memory: dict[BlockHash, bytes]) -> None:
-        self.memory = memory
-        self.requests: dict[int, tuple[BlockHash, ...]] = {}
-        self.next_request = 0
-        self.timeouts = 0
-
-    @property
-    def events(self) -> EventSink | None:
-        return None
-
-    @property
-    def healthy(self) -> bool:
-        return True
-
-    def holds(self, key: BlockHash) -> bool:
-        return key in self.memory
-
-    def is_known(self, key: BlockHash) -> bool:
-        return key in self.memory
-
-    def known_run(self, hashes: Sequence[BlockHash], start: int, stop: int) -> int:
-        n = 0
-        while start + n < stop and hashes[start + n] in self.memory:
-            n += 1
-        return n
-
-    def probe(self, hashes: Sequence[BlockHash]) -> int | None:
-        return None
-
-    def is_answered(self, request: int) -> bool:
-        return True
-
-    def load(self, hashes: Sequence[BlockHash]) -> int:
-        self.next_request += 1
-        self.requests[self.next_request] = tuple(hashes)
-        return self.next_request
-
-    def cancel(self, request: int) -> None:
-        self.requests.pop(request, None)
-
-    def take_results(self) -> list[tuple[int, LoadOutcome]]:
-        done, self.requests = self.requests, {}
-        results = []
-        for request, hashes in done.items():
-            run = self.known_run(hashes, 0, len(hashes))
-            results.append((request, LoadOutcome(tuple((memoryview(self.memory[h]),) for h in hashes[:run]))))
-        return results
-
-    def note_timeout(self, num_blocks: int) -> None:
-        self.timeouts += num_blocks
-
-    def check_payloads(self, hashes: Sequence[BlockHash], payloads: Sequence[object]) -> None:
-        if len(hashes) != len(payloads) or not all(isinstance(p, bytes) and len(p) == PAYLOAD for p in payloads):
-            raise InvalidArgumentError(f"the peer takes one {PAYLOAD}-byte payload per block")
-
-    def save(self, hashes: Sequence[BlockHash], payloads: Sequence[object]) -> None:
-        for key, payload in zip(hashes, payloads, strict=True):
-            self.memory[key] = payload  # type: ignore[assignment]  # checked by check_payloads
-
-    def publish(self) -> None:
-        pass
-
-    def snapshot_events(self) -> list[BlockStored]:
-        return [BlockStored(tuple(self.memory), None, "peer")] if self.memory else []
-
-    def check_integrity(self) -> None:
-        if not all(len(p) == PAYLOAD for p in self.memory.values()):
-            raise IntegrityError("a peer entry has the wrong size")
-
-    def flush(self, timeout: float | None) -> bool:
-        return True
-
-    def close(self, timeout: float | None) -> None:
-        pass
 
 
 @pytest.fixture

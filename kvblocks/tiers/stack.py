@@ -244,6 +244,16 @@ def tier_stacks(
     ]
     stacks = []
     for place in places:
-        built = [TIER_KINDS[name](place) for name in tiers.kinds]
-        stacks.append(TierStack(place.number, [t for t in built if t is not None], counts=counts, policies=tiers))
+        built = []
+        for name in tiers.kinds:
+            tier = TIER_KINDS[name](place)
+            if tier is None:
+                continue
+            medium = getattr(tier, "medium", None)
+            if not isinstance(tier, SlotTier if medium == SLOT else KeyedTier):
+                raise ConfigError(
+                    f"tier kind {name!r} built a {type(tier).__name__}, which is neither a SlotTier nor a KeyedTier"
+                )
+            built.append(tier)
+        stacks.append(TierStack(place.number, built, counts=counts, policies=tiers))
     return stacks

@@ -782,3 +782,41 @@ def test_cache_aware_routing_keeps_the_hit_rate_of_one_big_cache_and_balances_lo
     if capacity == 0.25:
         for baseline in ("round-robin", "least-loaded"):
             assert hit > simulate(baseline, requests, pool=pool)[0]
+
+
+_HELD = [10 + i for i in range(12)]  # w1's chain; w2 holds its first 5 blocks
+_BAD = st.sampled_from([-1, -(1 << 70), 1.5, None, True, "h", b"", [1], float("nan")])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompt=st.lists(
+        st.one_of(st.sampled_from(_HELD), st.integers(0, (1 << 64) - 1), st.binary(min_size=1, max_size=4), _BAD),
+        max_size=14,
+    ),
+    keep=st.integers(0, 12),
+)
+def test_a_route_over_any_hashes_is_the_walks_answer_or_a_clear_refusal_that_changes_nothing(
+    prompt: list, keep: int
+) -> None:
+    """A prompt starting with ``keep`` of the held chain, then anything: the route either picks the worker with
+    the longest held run (every hash it read was valid), or raises ``InvalidBlockHashError`` naming a bad hash
+    it read, with every load as before."""
+    prompt = _HELD[:keep] + prompt
+    r = router()
+    r.apply_events("w1", [BlockStored(tuple(_HELD), None, "device")])
+    r.apply_events("w2", [BlockStored(tuple(_HELD[:5]), None, "device")])
+    before = {w: r.load(w) for w in r.workers}
+    try:
+        lease = r.route(block_hashes=prompt, num_tokens=len(prompt) * B + 1)
+    except InvalidBlockHashError as e:
+        assert "position" in str(e)
+        assert {w: r.load(w) for w in r.workers} == before and r.routed == 0
+        return
+    # a worker's run: the leading hashes it holds (a repeat of a held hash goes on, as routes count it)
+    held = {"w1": set(_HELD), "w2": set(_HELD[:5]), "w0": set()}
+    runs = {w: next((i for i, h in enumerate(prompt) if h not in hs), len(prompt)) for w, hs in held.items()}
+    assert lease.overlap_blocks == runs[lease.worker]
+    assert lease.overlap_blocks == max(runs.values())  # all idle: the longest run wins
+    lease.release()
+    r.check_integrity()

@@ -142,3 +142,19 @@ def test_a_kind_that_builds_nothing_leaves_the_manager_untiered(peer_memory: dic
     m = node(kinds=("host", "storage"))  # no host blocks, no backend: nothing below the device
     assert m.host is None and m.storage is None
     assert m.take_transfers().group_transfers == ()
+
+
+class _HalfTier:
+    """Says it is keyed but answers none of the keyed calls."""
+
+    medium = "keyed"
+
+
+@pytest.mark.parametrize("made", [object(), _HalfTier(), "storage"], ids=["object", "half-a-tier", "str"])
+def test_a_kind_that_builds_something_else_than_a_tier_is_refused(made: object) -> None:
+    register_tier_kind("odd", lambda place: made)  # type: ignore[arg-type,return-value]
+    try:
+        with pytest.raises(ConfigError, match="neither a SlotTier nor a KeyedTier"):
+            node(kinds=("odd",))
+    finally:
+        unregister_tier_kind("odd")

@@ -242,18 +242,25 @@ def tier_stacks(
         )
         for n, local in enumerate(locals_, 1)
     ]
-    stacks = []
-    for place in places:
-        built = []
-        for name in tiers.kinds:
-            tier = TIER_KINDS[name](place)
-            if tier is None:
-                continue
-            medium = getattr(tier, "medium", None)
-            if not isinstance(tier, SlotTier if medium == SLOT else KeyedTier):
-                raise ConfigError(
-                    f"tier kind {name!r} built a {type(tier).__name__}, which is neither a SlotTier nor a KeyedTier"
-                )
-            built.append(tier)
-        stacks.append(TierStack(place.number, built, counts=counts, policies=tiers))
+    stacks: list[TierStack] = []
+    built: list[Tier] = []  # every tier made so far: closed again if the configuration is refused halfway
+    try:
+        for place in places:
+            mine: list[Tier] = []
+            for name in tiers.kinds:
+                tier = TIER_KINDS[name](place)
+                if tier is None:
+                    continue
+                medium = getattr(tier, "medium", None)
+                if not isinstance(tier, SlotTier if medium == SLOT else KeyedTier):
+                    raise ConfigError(
+                        f"tier kind {name!r} built a {type(tier).__name__}, which is neither a SlotTier nor a KeyedTier"
+                    )
+                built.append(tier)
+                mine.append(tier)
+            stacks.append(TierStack(place.number, mine, counts=counts, policies=tiers))
+    except BaseException:
+        for made in reversed(built):  # local groups' first: group 0's storage tier closes the shared backend
+            made.close(0)
+        raise
     return stacks

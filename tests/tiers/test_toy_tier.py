@@ -158,3 +158,20 @@ def test_a_kind_that_builds_something_else_than_a_tier_is_refused(made: object) 
             node(kinds=("odd",))
     finally:
         unregister_tier_kind("odd")
+
+
+def test_a_stack_refused_halfway_closes_the_tiers_it_built() -> None:
+    """Storage above host is refused once both are built: the storage tier's threads stop again."""
+    closed: list[str] = []
+
+    class Closing(PeerTier):
+        def close(self, timeout: float | None) -> None:
+            closed.append("peer")
+
+    register_tier_kind("closing", lambda place: Closing({}))
+    try:
+        with pytest.raises(ConfigError, match="slot tier above one keyed"):
+            node(kinds=("closing", "host"), num_host_blocks=2)
+        assert closed == ["peer"]
+    finally:
+        unregister_tier_kind("closing")

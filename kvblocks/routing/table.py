@@ -26,6 +26,7 @@ import xxhash
 
 from kvblocks.errors import InvalidArgumentError, InvalidBlockHashError
 from kvblocks.hashing import BlockHash
+from kvblocks.hashing.tokens import checked_block_hash
 
 __all__ = ["M64", "PROBE_LIMIT", "KeyTable"]
 
@@ -104,22 +105,7 @@ class KeyTable:
         """:meth:`fold` of a prompt's hash the walk reads, refused as
         :func:`~kvblocks.hashing.validate_block_hashes` refuses it, naming ``position``: a route checks the
         hashes it reads, not the ones past the run it matched."""
-        if isinstance(h, bytes):
-            if not h:
-                raise InvalidBlockHashError(f"block hash at position {position} is empty bytes")
-        elif not isinstance(h, bool):
-            try:
-                wide = operator.index(h)  # type: ignore[arg-type]  # numpy integers index as their ints
-            except TypeError:
-                raise InvalidBlockHashError(
-                    f"block hash at position {position} must be int or bytes, got {type(h).__name__}"
-                ) from None
-            if wide < 0:
-                raise InvalidBlockHashError(f"block hash at position {position} is negative: {wide}")
-            return self.fold(wide)
-        else:
-            raise InvalidBlockHashError(f"block hash at position {position} must be int or bytes, got bool")
-        return self.fold(h)
+        return self.fold(checked_block_hash(h, position))
 
     def fold_all(self, hashes: Iterable[BlockHash]) -> list[int]:
         """``[fold(h) for h in hashes]``, in C when every hash is a 64-bit int (an event's usual batch):

@@ -83,14 +83,17 @@ def _storage(place: TierPlace) -> StorageTier | None:
     number, formats = place.number, tiers.group_entry_formats
     if number and not formats:
         return None
-    base = namespace_tag(place.namespace, place.scheme, place.chain_block_size)
+    tag = None  # group 0: the namespace's own key space, and the config's format
+    if number:
+        base = namespace_tag(place.namespace, place.scheme, place.chain_block_size)
+        tag = group_tag(base, number, place.group_kind or "", place.block_size, place.span)
     return StorageTier(
         tiers,
         place.namespace,
         place.scheme,
         place.block_size,
         entry_format=formats[number - 1] if number else None,
-        tag=group_tag(base, number, place.group_kind or "", place.block_size, place.span) if number else None,
+        tag=tag,
         owns_backend=not number,
         events=place.events,
         group=place.group,

@@ -213,11 +213,11 @@ def tier_stacks(
     blocks from ``group_host_blocks``; storage, under keys of its own, with ``group_entry_formats``)."""
     if not isinstance(tiers, TierConfig):
         raise ConfigError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
-    for what, given in (
-        ("group_host_blocks", tiers.group_host_blocks),
-        ("group_entry_formats", tiers.group_entry_formats),
-    ):
-        if given and len(given) != len(locals_) and (what == "group_host_blocks" or tiers.storage is not None):
+    lengths: list[tuple[str, tuple[object, ...]]] = [("group_host_blocks", tiers.group_host_blocks)]
+    if tiers.storage is not None:  # without storage, group_entry_formats is ignored
+        lengths.append(("group_entry_formats", tiers.group_entry_formats))
+    for what, given in lengths:
+        if given and len(given) != len(locals_):
             raise ConfigError(f"{what} names {len(given)} groups, the manager has {len(locals_)} local groups")
     unknown = [kind for kind in tiers.kinds if kind not in TIER_KINDS]
     if unknown:

@@ -20,3 +20,13 @@ collect_ignore += [
     "kvblocks/hybrid/presets.py",
     "kvblocks/hybrid/tensors.py",
 ]
+
+# A hot module running compiled is an extension module: pytest cannot collect the doctests of its source (the
+# module it imports is not that file). CI runs those doctests under KVBLOCKS_PURE_PYTHON=1.
+from kvblocks import native  # noqa: E402
+
+collect_ignore += [
+    f"{name.replace('.', '/')}.py"
+    for name in native.COMPILED_MODULES
+    if not str(getattr(importlib.import_module(name), "__file__", "")).endswith(".py")
+]

@@ -3,22 +3,22 @@
 A floor that shares code with kvblocks (its hashing, its packing) cannot see that code slow down; the
 previous code can. :func:`load_commit` extracts ``kvblocks/`` of a commit (``git archive``) into a temporary
 folder and imports it with ``sys.modules`` swapped, so that the old package's modules bind one another, then
-puts today's back. The old objects keep working afterwards: every module they use was imported while the
-swap lasted (the package and the modules named in ``preload``).
+puts today's back (:func:`tests.support.side_by_side.import_aside`). The old objects keep working afterwards:
+every module they use was imported while the swap lasted (the package and the modules named in ``preload``).
 """
 
 from __future__ import annotations
 
-import importlib
 import io
 import subprocess
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.support.side_by_side import import_aside
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,25 +47,8 @@ def load_commit(commit: str, preload: tuple[str, ...] = ()) -> dict[str, ModuleT
     _folders.append(folder)
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(folder.name, filter="data")
-    today = {name: module for name, module in sys.modules.items() if _ours(name)}
-    for name in today:
-        del sys.modules[name]
-    sys.path.insert(0, folder.name)
-    try:
-        importlib.import_module("kvblocks")
-        for name in preload:
-            importlib.import_module(name)
-        old = {name: module for name, module in sys.modules.items() if _ours(name)}
-    finally:
-        sys.path.remove(folder.name)
-        for name in [n for n in sys.modules if _ours(n)]:
-            del sys.modules[name]
-        sys.modules.update(today)
+    old = import_aside(folder.name, preload=preload)
     if not str(Path(old["kvblocks"].__file__ or "")).startswith(folder.name):
         raise AssertionError(f"kvblocks at {commit} was not imported from its checkout")
     _loaded[key] = old
     return old
-
-
-def _ours(name: str) -> bool:
-    return name == "kvblocks" or name.startswith("kvblocks.")

@@ -13,6 +13,7 @@ True
 
 import logging as _logging
 
+from kvblocks import native  # first: its import installs the finder that picks compiled or source
 from kvblocks.accounting import CachedTokens, CacheStats, HitCounters
 from kvblocks.config import CacheConfig
 from kvblocks.core.eviction import EVICTION_POLICIES, LRU, S3FIFO, EvictionPolicy
@@ -84,6 +85,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    # how the hot modules run: compiled or from source (kvblocks.native.status())
+    "native",
     # manager
     "KVCacheManager",
     "CacheConfig",

@@ -7,7 +7,7 @@ import argparse
 import re
 from collections.abc import Callable
 from fractions import Fraction
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvblocks.cli.plan import DEFAULT_CONTEXT, MODEL_PRESETS
 from kvblocks.errors import ConfigError
@@ -152,6 +152,19 @@ def _version() -> str:
         return str(getattr(kvblocks, "__version__", "unknown"))
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: kvblocks' version and whether its hot modules run compiled (worked out only when asked)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        from kvblocks import native
+
+        print(f"{parser.prog} {_version()} ({native.describe()})")
+        parser.exit()
+
+
 def _trace_options(p: argparse.ArgumentParser) -> None:
     top = LIMITS
     p.add_argument(
@@ -213,7 +226,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvblocks",
         description="KV-cache replay, capacity sweeps and planning. Errors: exit status 2, one line on stderr.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action=_VersionAction, help="show the version and how the hot modules run")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     replay = commands.add_parser("replay", help="replay a trace and report hit rates, evictions and speed")

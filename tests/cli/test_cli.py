@@ -314,11 +314,14 @@ def test_every_option_of_every_command_has_help() -> None:
     assert missing == []
 
 
-def test_version_comes_from_the_installed_metadata(capsys) -> None:
+def test_version_comes_from_the_installed_metadata_and_says_how_the_hot_modules_run(capsys, monkeypatch) -> None:
     from importlib.metadata import version
 
+    from kvblocks import native
+
+    monkeypatch.setattr(native, "status", lambda: native.NativeStatus((), {"kvblocks.core.pool": "not built"}))
     assert main(["--version"]) == 0
-    assert capsys.readouterr().out == f"kvblocks {version('kvblocks')}\n"
+    assert capsys.readouterr().out == f"kvblocks {version('kvblocks')} (pure Python: not built)\n"
 
 
 def spy_on_work(monkeypatch) -> list[str]:

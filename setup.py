@@ -1,0 +1,122 @@
+"""Build kvblocks' hot modules with Cython where a C compiler exists; pure Python where it does not.
+
+Everything else about the package is in pyproject.toml. The modules compiled are those listed in
+``kvblocks/native.py`` (``COMPILED_MODULES``), each from its own ``.py`` source unchanged. Nothing is compiled
+when ``KVBLOCKS_PURE_PYTHON=1`` is set, when Cython is missing, or when the compiler fails: the install then
+says so and goes on with the pure-Python package, which behaves the same (only slower). Each build records
+its sources' digests in ``kvblocks/_native_build.json``, so that an extension whose source was edited since
+(an editable install) is not used.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _native_constant(name: str) -> object:
+    """A constant of kvblocks/native.py, read without importing kvblocks (its dependencies may be missing)."""
+    tree = ast.parse((ROOT / "kvblocks" / "native.py").read_text())
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        if isinstance(target, ast.Name) and target.id == name and node.value is not None:
+            return ast.literal_eval(node.value)
+    raise LookupError(f"kvblocks/native.py defines no {name}")
+
+
+MODULES: tuple[str, ...] = _native_constant("COMPILED_MODULES")  # type: ignore[assignment]
+PURE_ENV: str = _native_constant("PURE_PYTHON_ENV")  # type: ignore[assignment]
+RECORD: str = _native_constant("BUILD_RECORD")  # type: ignore[assignment]
+
+
+def _pure_requested() -> bool:
+    return os.environ.get(PURE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _source(module: str) -> Path:
+    return ROOT.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def _say(message: str) -> None:
+    print(f"kvblocks: {message}", file=sys.stderr)
+
+
+class OptionalBuildExt(build_ext):
+    """``build_ext`` that compiles the hot modules if it can and leaves them pure Python if it cannot."""
+
+    def finalize_options(self) -> None:
+        # cythonize here, not at import of setup.py: metadata commands (egg_info, dist_info) never compile
+        self.distribution.ext_modules = _extensions()
+        super().finalize_options()
+
+    def run(self) -> None:
+        if not self.extensions:
+            return
+        if self.parallel is None:
+            self.parallel = os.cpu_count() or 1  # one module per core
+        if self.compiler is None or self.compiler == "unix":
+            for ext in self.extensions:
+                ext.extra_compile_args = [*ext.extra_compile_args, "-g0"]  # no debug info: half the compile time
+        try:
+            super().run()
+        except Exception as failure:
+            _say(f"could not compile the hot modules ({failure}); installing pure Python")
+            return
+        self._write_record()
+
+    def _write_record(self) -> None:
+        record = {"sources": {m: hashlib.sha256(_source(m).read_bytes()).hexdigest() for m in MODULES}}
+        text = json.dumps(record, indent=1, sort_keys=True) + "\n"
+        # beside the extensions: in the source tree (an editable install) or in the build's package folder
+        target = (ROOT if self.inplace else Path(self.build_lib)) / "kvblocks" / RECORD
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+
+
+def _extensions() -> list:  # type: ignore[type-arg]
+    if _pure_requested():
+        _say(f"{PURE_ENV} is set: installing pure Python (nothing compiled)")
+        return []
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        _say("Cython is not installed: installing pure Python (nothing compiled)")
+        return []
+    try:
+        return cythonize(
+            _placeholders(),
+            language_level=3,
+            build_dir="build/cython",
+            quiet=True,
+            compiler_directives={
+                # the Python semantics of the source, exactly: annotations are documentation, not C types
+                "annotation_typing": False,
+                "binding": True,
+                "embedsignature": True,
+            },
+        )
+    except Exception as failure:
+        _say(f"Cython could not translate the hot modules ({failure}); installing pure Python")
+        return []
+
+
+def _placeholders() -> list:  # type: ignore[type-arg]
+    """One entry per hot module, so that setuptools runs ``build_ext`` (which swaps in the real ones)."""
+    from setuptools import Extension
+
+    return [Extension(m, [str(_source(m).relative_to(ROOT))]) for m in MODULES]
+
+
+# KVBLOCKS_PURE_PYTHON=1: no extension at all, so that a wheel built so is a pure one (py3-none-any)
+setup(ext_modules=[] if _pure_requested() else _placeholders(), cmdclass={"build_ext": OptionalBuildExt})

@@ -1,0 +1,320 @@
+"""The compiled hot modules against their Python source: the same operations, the same results, block for block.
+
+:func:`tests.support.side_by_side.load_pure` imports a second kvblocks in this process whose hot modules run
+from source. Hypothesis drives both with one operation sequence (manager lifecycles with ``step``, chunked
+prefill, drafts, preemption and eviction, on a plain and a hybrid cache; router event streams and routes), and
+every return value, raised error (class name and message), block table, free count and event must agree.
+
+Where nothing is compiled (no C compiler, or ``KVBLOCKS_PURE_PYTHON=1``) both sides are the same code and the
+tests skip, except under ``KVBLOCKS_REQUIRE_COMPILED=1`` (CI), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import kvblocks
+import kvblocks.events
+import kvblocks.hashing
+import kvblocks.hybrid
+import kvblocks.routing
+from kvblocks import native
+from tests.support.side_by_side import load_pure
+
+PRELOAD = ("kvblocks.routing", "kvblocks.events", "kvblocks.hybrid")
+COMPILED = native.status().compiled
+
+pytestmark = pytest.mark.skipif(
+    not COMPILED and os.environ.get("KVBLOCKS_REQUIRE_COMPILED") != "1",
+    reason="nothing compiled: the pure and the compiled kvblocks are the same code",
+)
+
+
+def test_the_build_is_compiled_where_ci_requires_it() -> None:
+    """CI sets KVBLOCKS_REQUIRE_COMPILED=1: there, every hot module must run compiled."""
+    state = native.status()
+    assert state.implementation == "compiled", str(state)
+
+
+def test_the_pure_copy_runs_every_hot_module_from_source() -> None:
+    pure = load_pure(PRELOAD)
+    for name in native.COMPILED_MODULES:
+        assert str(pure[name].__file__).endswith(".py"), name
+        assert pure[name] is not kvblocks.__dict__.get(name)
+    assert pure["kvblocks"].KVCacheManager is not kvblocks.KVCacheManager
+
+
+def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+    """What a call did, comparable across the two copies: its result's repr, or its error's class and message."""
+    try:
+        return "ok", normal(call())
+    except Exception as error:
+        return type(error).__name__, str(error)
+
+
+def normal(value: Any) -> Any:
+    """Plain data (lists, tuples, ints, strings) from what kvblocks returns, so two copies' results compare."""
+    if isinstance(value, (list, tuple)):
+        return [normal(v) for v in value]
+    if isinstance(value, dict):
+        return {repr(k): normal(v) for k, v in value.items()}
+    if value is None or isinstance(value, (int, float, str, bytes, bool)):
+        return value
+    return repr(value)
+
+
+SEQ_IDS = [f"r{i}" for i in range(5)]
+PROMPTS = [[1, 2, 3, 4] * 6, [1, 2, 3, 4] * 3 + [9, 9, 9], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+tokens = st.lists(st.integers(0, 9), max_size=6)
+
+
+class TwinManagers(RuleBasedStateMachine):
+    """One compiled and one pure manager, the same call on both, every result compared."""
+
+    hybrid = False
+    eviction = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pure = load_pure(PRELOAD)
+        self.sides: list[Any] = []
+        self.sinks: list[Any] = []
+        self.active: set[str] = set()
+
+    @initialize()
+    def build(self) -> None:
+        for mods in (
+            {"kvblocks": kvblocks, "kvblocks.events": kvblocks.events, "kvblocks.hybrid": kvblocks.hybrid},
+            self.pure,
+        ):
+            sink = mods["kvblocks.events"].EventSink()
+            groups = (mods["kvblocks.hybrid"].LocalGroup("sliding_window", 6, 8),) if self.hybrid else ()
+            manager = mods["kvblocks"].KVCacheManager(
+                num_blocks=10, block_size=4, event_sink=sink, eviction=self.eviction, groups=groups
+            )
+            self.sides.append(manager)
+            self.sinks.append(sink)
+
+    def both(self, call: Callable[[Any], Any]) -> tuple[str, Any]:
+        compiled, pure = (outcome(lambda m=m: call(m)) for m in self.sides)
+        assert compiled == pure
+        return compiled
+
+    @rule(seq=st.sampled_from(SEQ_IDS), prompt=st.sampled_from(PROMPTS), extra=tokens)
+    def add(self, seq: str, prompt: list[int], extra: list[int]) -> None:
+        if self.both(lambda m: m.add_sequence(seq, prompt + extra))[0] == "ok":
+            self.active.add(seq)
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data())
+    def lookup(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.active)))
+        self.both(lambda m: m.lookup(seq))
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data(), n=st.integers(0, 30), k=st.integers(0, 3), use_cached=st.booleans())
+    def allocate(self, data: st.DataObject, n: int, k: int, use_cached: bool) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.active)))
+        cached = self.both(lambda m: m.lookup(seq).device)
+        kwargs = {"num_lookahead_tokens": k}
+        if use_cached and cached[0] == "ok":
+            kwargs["num_cached_tokens"] = cached[1]
+        self.both(lambda m: m.allocate(seq, n, **kwargs))
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data(), n=st.integers(0, 40))
+    def commit(self, data: st.DataObject, n: int) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.active)))
+        self.both(lambda m: m.commit(seq, n))
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data(), new=tokens)
+    def append(self, data: st.DataObject, new: list[int]) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.active)))
+        self.both(lambda m: m.append_tokens(seq, new))
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """Decode (one token), chunked prefill (a chunk), drafts (lookahead slots), or a bad entry."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.active)), min_size=1, max_size=4, unique=True))
+        computed = [data.draw(st.one_of(st.none(), st.integers(0, 40))) for _ in ids]
+        sampled = [data.draw(st.one_of(st.none(), tokens)) for _ in ids]
+        news = [data.draw(st.integers(0, 9)) for _ in ids]
+        drafts = [data.draw(st.integers(0, 3)) for _ in ids]
+        self.both(lambda m: m.step(ids, computed, sampled, news, drafts))
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data(), preempt=st.booleans())
+    def release(self, data: st.DataObject, preempt: bool) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.active)))
+        if preempt:
+            self.both(lambda m: m.preempt(seq))
+        elif self.both(lambda m: m.free(seq))[0] == "ok":
+            self.active.discard(seq)
+
+    @rule()
+    def reset(self) -> None:
+        self.both(lambda m: m.reset_prefix_cache())
+
+    @invariant()
+    def same_state(self) -> None:
+        if not self.sides:
+            return
+        self.both(lambda m: m.num_free_blocks)
+        for seq in sorted(self.active):
+            self.both(lambda m, seq=seq: m.block_tables(seq))
+            self.both(lambda m, seq=seq: (m.num_computed_tokens(seq), m.num_allocated_tokens(seq), m.block_hashes(seq)))
+        self.both(lambda m: m.stats())
+        compiled, pure = ([(r.event.__class__.__name__, repr(r.event)) for r in s.drain()] for s in self.sinks)
+        assert compiled == pure
+        for manager in self.sides:
+            manager.check_integrity()
+
+
+class TwinHybridManagers(TwinManagers):
+    hybrid = True
+
+
+class TwinS3FifoManagers(TwinManagers):
+    eviction = "s3fifo"
+
+
+SETTINGS = settings(
+    max_examples=200 if os.environ.get("CI") else 50,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestTwinManagers = TwinManagers.TestCase
+TestTwinManagers.settings = SETTINGS
+TestTwinHybridManagers = TwinHybridManagers.TestCase
+TestTwinHybridManagers.settings = SETTINGS
+TestTwinS3FifoManagers = TwinS3FifoManagers.TestCase
+TestTwinS3FifoManagers.settings = SETTINGS
+
+
+def router_pair(pure: dict[str, ModuleType], **config: Any) -> list[Any]:
+    out = []
+    for mods in ({"kvblocks.routing": kvblocks.routing}, pure):
+        routing = mods["kvblocks.routing"]
+        out.append(routing.Router(["w0", "w1", "w2"], routing.RouterConfig(block_size=4, **config)))
+    return out
+
+
+class TwinRouters(RuleBasedStateMachine):
+    """One compiled and one pure router fed the same event stream; routes and overlaps compared."""
+
+    chains = Bundle("chains")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pure = load_pure(PRELOAD)
+        self.routers = router_pair(self.pure)
+        self.leases: list[list[Any]] = []
+
+    def both(self, call: Callable[[Any, dict[str, ModuleType]], Any]) -> tuple[str, Any]:
+        mods = ({"kvblocks.events": kvblocks.events, "kvblocks.routing": kvblocks.routing}, self.pure)
+        compiled, pure = (outcome(lambda r=r, m=m: call(r, m)) for r, m in zip(self.routers, mods))
+        assert compiled == pure
+        return compiled
+
+    @rule(target=chains, prompt=st.sampled_from(PROMPTS), extra=st.lists(st.integers(0, 9), max_size=12))
+    def prompt(self, prompt: list[int], extra: list[int]) -> list[int]:
+        return prompt + extra
+
+    @rule(
+        tokens=chains,
+        worker=st.sampled_from(["w0", "w1", "w2"]),
+        start=st.integers(0, 3),
+        length=st.integers(0, 6),
+        tier=st.sampled_from(["device", "host", "storage"]),
+    )
+    def stored(self, tokens: list[int], worker: str, start: int, length: int, tier: str) -> None:
+        hashes = self.routers[0].prompt_hashes(tokens)
+        run = tuple(hashes[start : start + length])
+        parent = hashes[start - 1] if 0 < start <= len(hashes) else None
+        self.both(lambda r, m: r.apply_events(worker, [m["kvblocks.events"].BlockStored(run, parent, tier)]))
+
+    @rule(tokens=chains, worker=st.sampled_from(["w0", "w1", "w2"]), picks=st.lists(st.integers(0, 8), max_size=4))
+    def removed(self, tokens: list[int], worker: str, picks: list[int]) -> None:
+        hashes = self.routers[0].prompt_hashes(tokens)
+        gone = tuple(hashes[i] for i in picks if i < len(hashes))
+        self.both(lambda r, m: r.apply_events(worker, [m["kvblocks.events"].BlockRemoved(gone, "device")]))
+
+    @rule(worker=st.sampled_from(["w0", "w1", "w2"]))
+    def cleared(self, worker: str) -> None:
+        self.both(lambda r, m: r.apply_events(worker, [m["kvblocks.events"].AllBlocksCleared()]))
+
+    @rule(tokens=chains, by_hash=st.booleans())
+    def route(self, tokens: list[int], by_hash: bool) -> None:
+        def call(router: Any, _: object) -> Any:
+            if by_hash:
+                lease = router.route(block_hashes=router.prompt_hashes(tokens), num_tokens=len(tokens))
+            else:
+                lease = router.route(tokens)
+            lease.release()
+            return lease.worker, lease.overlap_blocks, lease.prefill_tokens
+
+        self.both(call)
+
+    @rule(tokens=chains)
+    def overlaps(self, tokens: list[int]) -> None:
+        self.both(lambda r, m: r.overlaps(r.prompt_hashes(tokens)))
+
+    @rule(bad=st.sampled_from([[-1], ["x"], [2**64], [None], [1.5]]))
+    def bad_hashes(self, bad: list[Any]) -> None:
+        self.both(lambda r, m: r.route(block_hashes=bad, num_tokens=64))
+
+    @invariant()
+    def sound(self) -> None:
+        for router in self.routers:
+            router.check_integrity()
+        self.both(lambda r, m: [(w, str(r.load(w))) for w in r.workers()])
+
+
+TestTwinRouters = TwinRouters.TestCase
+TestTwinRouters.settings = SETTINGS
+
+
+def test_hashing_agrees_on_long_prompts() -> None:
+    """Chained hashing of long token runs, every scheme kvblocks registers, compiled against pure."""
+    pure = load_pure(PRELOAD)
+    tokens_ = list(range(5000))
+    for scheme in sorted(kvblocks.hashing.HASH_SCHEMES):
+        compiled = outcome(lambda scheme=scheme: kvblocks.block_hashes(tokens_, 16, scheme=scheme))
+        pure_ = outcome(lambda scheme=scheme: pure["kvblocks"].block_hashes(tokens_, 16, scheme=scheme))
+        assert compiled == pure_, scheme
+
+
+def test_the_twins_catch_a_pure_copy_that_differs() -> None:
+    """Not vacuous: a pure copy whose pool hands out its fresh blocks last-in-first-out fails the comparison."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    faulty = load_pure(("kvblocks.routing", "kvblocks.events", "kvblocks.hybrid", "kvblocks.core.pool"))
+    pool_class = faulty["kvblocks.core.pool"].BlockPool
+    original = pool_class.take_fresh
+
+    def take_newest(self: Any, count: int) -> list[int]:
+        self._fresh.reverse()
+        try:
+            return original(self, count)
+        finally:
+            self._fresh.reverse()
+
+    class Faulty(TwinManagers):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pure = faulty
+
+    pool_class.take_fresh = take_newest
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(Faulty, settings=settings(SETTINGS, max_examples=200, database=None))

@@ -60,13 +60,34 @@ def test_the_switch_off(monkeypatch, value: str) -> None:
     assert not native.pure_python_requested()
 
 
-def test_modules_that_are_not_hot_or_not_built_are_not_touched(tmp_path, monkeypatch) -> None:
+def test_modules_that_are_not_built_or_not_ours_are_not_touched(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(native.PURE_PYTHON_ENV, "1")
     fake_package(tmp_path, built=False)
+    (tmp_path / "config.py").write_text("")
     finder = native.HotModuleFinder(tmp_path)
     assert finder.find_spec("kvblocks.core.pool") is None
     assert finder.find_spec("kvblocks.config") is None
     assert finder.find_spec("json") is None
+
+
+def test_another_checkouts_module_is_not_touched(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(native.PURE_PYTHON_ENV, "1")
+    fake_package(tmp_path)
+    finder = native.HotModuleFinder(tmp_path)
+    assert finder.find_spec("kvblocks.core.pool", [str(tmp_path / "elsewhere" / "core")]) is None
+    assert finder.find_spec("kvblocks.core.pool", [str(tmp_path / "core")]) is not None
+
+
+def test_a_leftover_extension_the_last_build_did_not_compile_runs_from_source(tmp_path, monkeypatch) -> None:
+    """A module dropped from the compiled list keeps its old extension in an editable checkout: not used."""
+    monkeypatch.delenv(native.PURE_PYTHON_ENV, raising=False)
+    fake_package(tmp_path)
+    walk = tmp_path / "routing" / "walk.py"
+    walk.parent.mkdir()
+    walk.write_text("")
+    (tmp_path / "routing" / f"walk{SUFFIX}").write_bytes(b"left over")
+    spec = native.HotModuleFinder(tmp_path).find_spec("kvblocks.routing.walk")
+    assert spec is not None and spec.origin == str(walk)
 
 
 def test_a_missing_or_damaged_record_trusts_the_build(tmp_path, monkeypatch) -> None:

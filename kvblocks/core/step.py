@@ -13,6 +13,8 @@ from kvblocks.hashing import PrecomputedHashes, pack_tokens
 
 __all__ = ["run_step"]
 
+_MAX_TOKEN = 0xFFFFFFFF  # what array("I") holds
+
 
 def run_step(
     manager: Any,
@@ -55,20 +57,23 @@ def run_step(
         for seq_id in seq_ids:
             manager._get(seq_id)  # raises the precise error
         raise  # pragma: no cover - one of them raised
-    if len(set(map(id, batch))) != count:
+    if count > 1 and len(set(map(id, batch))) != count:
         raise InvalidArgumentError("a sequence appears twice in one step")
     hooked = manager._guards_changes
     # 1. validate every entry: nothing changes unless the whole batch is sound
     plan = []
-    for seq_id, s, n, tokens, new, k in zip(seq_ids, batch, commits, appends, news, drafts, strict=True):
-        packed: array[int] | None = None
+    for seq_id, s, n, tokens, new, k in zip(seq_ids, batch, commits, appends, news, drafts):  # lengths checked
+        packed: Sequence[int] | None = None
         appended = 0
         if tokens is not None:
             if type(tokens) is tuple or type(tokens) is list:  # the common shapes, packed in C
-                try:
-                    packed = array("I", tokens)
-                except (OverflowError, TypeError):
-                    packed = pack_tokens(tokens)  # raises, naming the bad position
+                if len(tokens) == 1 and type(tokens[0]) is int and 0 <= tokens[0] <= _MAX_TOKEN:
+                    packed = tokens  # one sound token (a decode step): the content's array takes it as it is
+                else:
+                    try:
+                        packed = array("I", tokens)
+                    except (OverflowError, TypeError):
+                        packed = pack_tokens(tokens)  # raises, naming the bad position
             else:
                 packed = pack_tokens(tokens)
             appended = len(packed)
@@ -99,8 +104,6 @@ def run_step(
     failed: list[Hashable] = []
     size = manager._block_size
     groups = manager._groups
-    full = groups.full
-    pool = full.pool
     for seq_id, s, n, packed, covered, k in plan:
         need = (covered + k + size - 1) // size - len(s.table)
         if need > 0 and not groups.room_to_grow(s, need):
@@ -115,8 +118,9 @@ def run_step(
             if n // size == committed // size and n <= s.num_covered and n < s.watch:
                 s.num_committed = n  # no block newly full, nothing watched: nothing enters the tree
             else:
+                full = groups.full
                 pinned = full.idle_duplicates(s, committed // size, n // size)
-                if pinned and max(need, 0) + pinned > pool.num_free:  # its commit would take the room
+                if pinned and max(need, 0) + pinned > full.pool.num_free:  # its commit would take the room
                     if packed is not None:
                         content.truncate(known)
                     failed.append(seq_id)  # nothing changed for it
@@ -132,6 +136,8 @@ def run_step(
 
 def _column(values: object, count: int, what: str, default: object) -> Sequence[Any]:
     """One value per sequence: a sequence of ``count`` values, or one value for all."""
+    if type(values) is list and len(values) == count:  # the common shape, first
+        return values
     if values is None:
         return [default] * count
     if isinstance(values, (list, tuple)):

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -112,7 +112,8 @@ class HashedTokens:
             return self._hash_new_blocks()
         return self.extend_packed(pack_tokens(token_ids))
 
-    def extend_packed(self, packed: array[int]) -> int:
+    def extend_packed(self, packed: array[int] | Sequence[int]) -> int:
+        """:meth:`extend` without the checks: ``packed`` is an ``array("I")``, or ints the caller checked fit one."""
         self._tokens.extend(packed)
         return self._hash_new_blocks()
 
@@ -167,7 +168,7 @@ class PrecomputedHashes:
     def extend(self, token_ids: Iterable[int]) -> int:
         raise SequenceStateError("sequence was registered by block hashes; token ids cannot be appended")
 
-    def extend_packed(self, packed: array[int]) -> int:
+    def extend_packed(self, packed: array[int] | Sequence[int]) -> int:
         return self.extend(packed)
 
 

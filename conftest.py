@@ -9,6 +9,8 @@ import importlib.util
 collect_ignore = [] if importlib.util.find_spec("transformers") else ["kvblocks/integrations/transformers"]
 if importlib.util.find_spec("vllm") is None:
     collect_ignore += ["kvblocks/integrations/vllm/connector.py", "kvblocks/integrations/vllm/stats.py"]
+if importlib.util.find_spec("sglang") is None:
+    collect_ignore += ["kvblocks/integrations/sglang/backend.py"]
 
 # A module's previous path, kept one release, is the moved module itself (it replaces itself in sys.modules):
 # its doctests run at the new path.

@@ -137,7 +137,7 @@ class HotModuleFinder:
         if self._record is None:
             try:
                 loaded = json.loads((self._package_dir / BUILD_RECORD).read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8, not JSON, nested too deep
                 loaded = {}
             digests = loaded.get("sources") if isinstance(loaded, dict) else None
             self._record = (

@@ -94,7 +94,8 @@ def test_a_missing_or_damaged_record_trusts_the_build(tmp_path, monkeypatch) -> 
     monkeypatch.delenv(native.PURE_PYTHON_ENV, raising=False)
     fake_package(tmp_path, record=False)
     assert native.HotModuleFinder(tmp_path).find_spec("kvblocks.core.pool") is None
-    for damaged in ("{", "[1]", '{"sources": 3}', '{"sources": {"kvblocks.core.pool": 7}}'):
+    damaged_records = ("{", "[1]", '{"sources": 3}', '{"sources": {"kvblocks.core.pool": 7}}', "[" * 100_000)
+    for damaged in damaged_records:
         (tmp_path / native.BUILD_RECORD).write_text(damaged)
         assert native.HotModuleFinder(tmp_path).find_spec("kvblocks.core.pool") is None, damaged
 

@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 def test_settings_pass_sglangs_own_keys_and_refuse_unknown_ones() -> None:
     s = HiCacheSettings.from_extra_config(
         {"backend_name": "kvblocks", "module_path": "m", "class_name": "C", "interface_v1": 1, "path": "/kv"}
+        | {"prefetch_threshold": 256, "hicache_storage_pass_prefix_keys": True}  # SGLang's prefetch knobs
     )
     assert (s.storage, s.path, s.lookup_timeout_s) == ("file", "/kv", 1.0)
     assert HiCacheSettings.from_extra_config(None) == HiCacheSettings()

@@ -48,6 +48,16 @@ def _source(module: str) -> Path:
     return ROOT.joinpath(*module.split(".")).with_suffix(".py")
 
 
+def _digest(source: Path) -> str:
+    """kvblocks.native.source_digest, which the finder compares: the source, then its .pxd if there is one."""
+    digest = hashlib.sha256(source.read_bytes())
+    declarations = source.with_suffix(".pxd")
+    if declarations.is_file():
+        digest.update(b"\0")
+        digest.update(declarations.read_bytes())
+    return digest.hexdigest()
+
+
 def _say(message: str) -> None:
     print(f"kvblocks: {message}", file=sys.stderr)
 
@@ -76,7 +86,7 @@ class OptionalBuildExt(build_ext):
         self._write_record()
 
     def _write_record(self) -> None:
-        record = {"sources": {m: hashlib.sha256(_source(m).read_bytes()).hexdigest() for m in MODULES}}
+        record = {"sources": {m: _digest(_source(m)) for m in MODULES}}
         text = json.dumps(record, indent=1, sort_keys=True) + "\n"
         # beside the extensions: in the source tree (an editable install) or in the build's package folder
         target = (ROOT if self.inplace else Path(self.build_lib)) / "kvblocks" / RECORD

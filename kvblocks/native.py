@@ -89,8 +89,14 @@ def pure_python_requested() -> bool:
 
 
 def source_digest(path: Path) -> str:
-    """SHA-256 of a module's source, as the build records it."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """SHA-256 of a module's source and of its Cython declarations (``.pxd`` beside it, if any), as the build
+    records it: an edit of either makes the extension stale."""
+    digest = hashlib.sha256(path.read_bytes())
+    declarations = path.with_suffix(".pxd")
+    if declarations.is_file():
+        digest.update(b"\0")
+        digest.update(declarations.read_bytes())
+    return digest.hexdigest()
 
 
 class HotModuleFinder:

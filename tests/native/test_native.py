@@ -187,3 +187,26 @@ def test_a_build_without_a_working_compiler_falls_back_to_pure_python(tmp_path) 
     assert done.returncode == 0, done.stderr
     assert "could not compile the hot modules" in done.stderr and "installing pure Python" in done.stderr
     assert not (tmp_path / "lib" / "kvblocks" / native.BUILD_RECORD).exists()
+
+
+def test_an_edited_declaration_file_makes_the_extension_stale(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(native.PURE_PYTHON_ENV, raising=False)
+    source = fake_package(tmp_path)
+    (tmp_path / native.BUILD_RECORD).write_text(
+        json.dumps({"sources": {"kvblocks.core.pool": native.source_digest(source)}})
+    )
+    assert native.HotModuleFinder(tmp_path).find_spec("kvblocks.core.pool") is None
+    source.with_suffix(".pxd").write_text("cdef class BlockPool:\n    pass\n")
+    assert native.HotModuleFinder(tmp_path).find_spec("kvblocks.core.pool") is not None
+
+
+def test_the_builds_record_is_what_the_finder_computes() -> None:
+    """setup.py writes the digests the finder compares (its own copy of source_digest): they must agree."""
+    record_path = ROOT / "kvblocks" / native.BUILD_RECORD
+    state = native.status()
+    if not record_path.is_file() or state.pure:
+        pytest.skip("no current compiled build in this checkout")
+    record = json.loads(record_path.read_text())["sources"]
+    for name in native.COMPILED_MODULES:
+        source = ROOT.joinpath(*name.split(".")).with_suffix(".py")
+        assert record[name] == native.source_digest(source), name

@@ -6,8 +6,9 @@
      "class_name": "KVBlocksHiCacheStorage", "interface_v1": 1,        <- SGLang's own keys
      "storage": "file", "path": "/mnt/kv"}                             <- or "storage": "redis", "redis_url": ...
 
-Besides SGLang's keys (those four, and its prefetch knobs), every key is kvblocks' and optional; an unknown key or a bad value raises
-:class:`~kvblocks.errors.ConfigError` when SGLang attaches the backend, not at the first page.
+Besides SGLang's keys (those four, and its prefetch knobs), every key is kvblocks' and optional; an unknown key
+or a bad value raises :class:`~kvblocks.errors.ConfigError` when SGLang attaches the backend, not at the first
+page.
 """
 
 from __future__ import annotations

@@ -231,3 +231,93 @@ def test_pages_round_trip_through_redis_for_several_nodes(tmp_path) -> None:
     other = backend(other_pool, extra(tmp_path, storage="redis", redis_url=url, salt=salt))
     assert other.batch_get_v1(keys(3), torch.arange(0, 3 * PAGE)) == [True] * 3
     assert all(torch.equal(a, b_) for a, b_ in zip(pages(other_pool, 0, 3), pages(pool, 0, 3)))
+
+
+# ---------------------------------------------------------------- extra pools (SGLang's v2 calls)
+
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost  # noqa: E402
+
+
+def mamba_pool(seed: int | None = None) -> MambaPoolHost:
+    """SGLang's Mamba state host pool (one state per page; its pages are copies, not views)."""
+    info = MambaStateBufferInfo(temporal=torch.zeros(2, 9, 4, 8), conv=(torch.zeros(2, 9, 3, 5),))
+    pool = MambaPoolHost(info, 2, 0, device_capacity=8, pin_memory=False, layout="page_first")
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for i in range(4):
+            page = torch.randint(0, 255, pool.get_data_page(i).shape, generator=g, dtype=torch.uint8)
+            pool.set_from_flat_data_page(i, page)
+    return pool
+
+
+def hybrid_backend(tmp_path: Path, kv: MHATokenToKVPoolHost, swa: MHATokenToKVPoolHost, mamba: MambaPoolHost):
+    b = backend(kv, extra(tmp_path))
+    b.register_mem_host_pool_v2(swa, PoolName.SWA)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    return b
+
+
+def test_extra_pools_round_trip_through_the_v2_calls(tmp_path) -> None:
+    kv, swa, mamba = host_pool("page_first"), host_pool("page_first"), mamba_pool(seed=9)
+    fill_random(kv, 20)
+    fill_random(swa, 21)
+    b = hybrid_backend(tmp_path, kv, swa, mamba)
+    ks = keys(4)
+    assert b.batch_set_v1(ks, torch.arange(0, 4 * PAGE)) == [True] * 4
+    done = b.batch_set_v2(
+        [
+            PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(0, 4 * PAGE), keys=ks),
+            PoolTransfer(name=PoolName.MAMBA, host_indices=torch.arange(3, 4), keys=ks[3:]),
+        ]
+    )
+    assert done == {PoolName.SWA: [True] * 4, PoolName.MAMBA: [True]}
+    assert b.flush(10)
+
+    kv2, swa2, mamba2 = host_pool("page_first"), host_pool("page_first"), mamba_pool()
+    fresh = hybrid_backend(tmp_path, kv2, swa2, mamba2)
+    found = fresh.batch_exists_v2(
+        ks,
+        [
+            PoolTransfer(name=PoolName.SWA, keys=ks[2:], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+            PoolTransfer(name=PoolName.MAMBA, keys=ks[3:], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+        ],
+    )
+    assert found.kv_hit_pages == 4 and found.restorable_prefix_pages == [4]  # Mamba state only at page 4
+    got = fresh.batch_get_v2(
+        [
+            PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(8 * PAGE, 12 * PAGE), keys=ks),
+            PoolTransfer(name=PoolName.MAMBA, host_indices=torch.arange(5, 6), keys=ks[3:]),
+        ]
+    )
+    assert got == {PoolName.SWA: [True] * 4, PoolName.MAMBA: [True]}
+    assert all(torch.equal(a, b_) for a, b_ in zip(pages(swa2, 8 * PAGE, 4), pages(swa, 0, 4)))
+    assert torch.equal(mamba2.get_data_page(5), mamba.get_data_page(3))  # the copying path put it back
+
+
+def test_an_extra_pool_missing_a_page_cuts_the_restorable_prefix(tmp_path) -> None:
+    kv, swa = host_pool("page_first"), host_pool("page_first")
+    fill_random(kv, 22)
+    fill_random(swa, 23)
+    b = hybrid_backend(tmp_path, kv, swa, mamba_pool())
+    ks = keys(4)
+    b.batch_set_v1(ks, torch.arange(0, 4 * PAGE))
+    b.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(0, 2 * PAGE), keys=ks[:2])])
+    assert b.flush(10)
+    fresh = hybrid_backend(tmp_path, host_pool("page_first"), host_pool("page_first"), mamba_pool())
+    every = fresh.batch_exists_v2(ks, [PoolTransfer(name=PoolName.SWA, keys=ks, hit_policy=PoolHitPolicy.ALL_PAGES)])
+    assert (every.kv_hit_pages, every.extra_pool_hit_pages[PoolName.SWA]) == (2, 2)
+    trailing = fresh.batch_exists_v2(
+        ks, [PoolTransfer(name=PoolName.SWA, keys=ks[:1], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    )
+    assert trailing.restorable_prefix_pages == [1, 2]  # a one-page window ending at page 1 or 2
+    nothing = fresh.batch_exists_v2(ks, [PoolTransfer(name="draft", keys=ks, hit_policy=PoolHitPolicy.ALL_PAGES)])
+    assert nothing.kv_hit_pages == 0  # a pool nobody registered restores nothing
+
+
+def test_a_transfer_whose_indices_do_not_cover_its_pages_moves_nothing(tmp_path) -> None:
+    b = hybrid_backend(tmp_path, host_pool("page_first"), host_pool("page_first"), mamba_pool())
+    short = PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(0, PAGE), keys=keys(2))
+    assert b.batch_set_v2([short]) == {PoolName.SWA: [False, False]}
+    assert b.batch_get_v2([short]) == {PoolName.SWA: [False, False]}

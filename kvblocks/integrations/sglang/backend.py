@@ -26,7 +26,7 @@ from typing import Any
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvblocks.errors import ConfigError
-from kvblocks.integrations.sglang.pages import SCHEME, SglangPageFormat, page_hash, page_runs
+from kvblocks.integrations.sglang.pages import SCHEME, PageMover, SglangPageFormat, page_hash, tensor_bytes
 from kvblocks.integrations.sglang.settings import HiCacheSettings
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.storage_tier import StorageTier
@@ -65,28 +65,21 @@ class KVBlocksHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is
         self.writer = bool(getattr(storage_config, "is_storage_writer", True))
         self.format: SglangPageFormat | None = None
         self.tier: StorageTier | None = None
-        self._pool: Any = None
-        self._storage_bytes: memoryview | None = None
+        self._mover: PageMover | None = None
+        self._extra: dict[str, tuple[PageMover, StorageTier]] = {}  # SGLang's extra pools (v2), by name
         self._window = _Window()
 
     # ------------------------------------------------------------------ set-up
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Fix the page format from SGLang's host pool and open the store (one pool per backend)."""
+        """Fix the page format from SGLang's host KV pool and open the store (one KV pool per backend)."""
         super().register_mem_pool_host(mem_pool_host)
         fmt = SglangPageFormat.of(mem_pool_host, self.storage_config, self.settings.salt)
         if self.tier is not None:
             if fmt != self.format:
-                raise ConfigError("KVBlocksHiCacheStorage serves one host pool; another format was registered")
+                raise ConfigError("KVBlocksHiCacheStorage serves one host KV pool; another format was registered")
             return
-        page = mem_pool_host.get_data_page(0, flat=False)
-        storage = page.untyped_storage()
-        import torch
-
-        raw = torch.empty(0, dtype=torch.uint8).set_(storage)  # the pool's whole buffer, as bytes
-        self._storage_bytes = memoryview(raw.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
-        self._pool = mem_pool_host
-        self.format = fmt
+        mover = PageMover(mem_pool_host)
         settings = self.settings
         self.tier = StorageTier(
             TierConfig(
@@ -100,23 +93,49 @@ class KVBlocksHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is
             fmt.page_size,
             writer_on_demand=not self.writer,
         )
+        self.format, self._mover = fmt, mover
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """An extra host pool (Mamba state, SWA, indexer, draft): its pages are stored under the KV pages' keys,
+        in a key space of its own (the pool's name and format), through the same store."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name == "kv":
+            self.register_mem_pool_host(host_pool)
+            return
+        main = self._ready()
+        fmt = SglangPageFormat.of(host_pool, self.storage_config, self.settings.salt, name)
+        tier = StorageTier(
+            TierConfig(
+                storage=main.backend,
+                entry_format=fmt.entry_format,
+                max_pending_writes=self.settings.max_pending_writes,
+                storage_timeout_s=self.settings.storage_timeout_s,
+            ),
+            fmt.namespace,
+            SCHEME,
+            fmt.page_size,
+            owns_backend=False,  # the KV tier closes the store
+            writer_on_demand=not self.writer,
+        )
+        old = self._extra.pop(name, None)
+        if old is not None:
+            old[1].close()
+        self._extra[name] = (PageMover(host_pool), tier)
 
     def _ready(self) -> StorageTier:
         if self.tier is None:
             raise ConfigError("KVBlocksHiCacheStorage: SGLang has not registered its host pool yet")
         return self.tier
 
-    def _page_views(self, index: int) -> list[memoryview]:
-        page = self._pool.get_data_page(int(index), flat=False)
-        return page_runs(page, self._storage_bytes)  # type: ignore[arg-type]  # set with the pool
-
     # ------------------------------------------------------------------ zero-copy batch calls (interface_v1)
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading ``keys`` are stored (SGLang prefetches that many pages); waits at most
         ``lookup_timeout_s`` for the store, then answers with what it knows."""
-        tier = self._ready()
-        hashes = [page_hash(k) for k in keys]
+        return self._stored_run(self._ready(), [page_hash(k) for k in keys])
+
+    def _stored_run(self, tier: StorageTier, hashes: list[Any]) -> int:
         if not hashes:
             return 0
         known = tier.known_run(hashes, 0, len(hashes))
@@ -133,17 +152,13 @@ class KVBlocksHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is
         """Read pages straight into the host pool at ``host_indices`` (one page per ``page_size`` indices);
         True for the sound leading run, False from the first page that is missing, damaged or foreign."""
         tier = self._ready()
-        size = self.format.page_size  # type: ignore[union-attr]
+        mover: PageMover = self._mover  # type: ignore[assignment]  # set with the tier
         hashes = [page_hash(k) for k in keys]
-        targets = [self._page_views(host_indices[i * size]) for i in range(len(hashes))]
         start = time.perf_counter()
-        got = tier.read_into(hashes, targets)
-        self._window.note(
-            self._window.prefetch_pages,
-            self._window.prefetch_bandwidth,
-            got,
-            got * self.format.payload_length,  # type: ignore[union-attr]
-            time.perf_counter() - start,
+        got = mover.read(tier, hashes, _first_slots(host_indices, mover.page_size, len(hashes)))
+        w = self._window
+        w.note(
+            w.prefetch_pages, w.prefetch_bandwidth, got, got * tier.format.payload_length, time.perf_counter() - start
         )
         return [i < got for i in range(len(hashes))]
 
@@ -152,33 +167,124 @@ class KVBlocksHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is
         its entry's buffer, before this returns). Pages already stored are not written again. A rank that
         is not its page's writer (MLA replicas) writes nothing and reports success, as SGLang's backends do."""
         tier = self._ready()
+        mover: PageMover = self._mover  # type: ignore[assignment]  # set with the tier
         if not self.writer:
             return [True] * len(keys)
-        size = self.format.page_size  # type: ignore[union-attr]
-        hashes = [page_hash(k) for k in keys]
-        fresh = [i for i, h in enumerate(hashes) if not tier.is_known(h)]
         start = time.perf_counter()
-        views = [self._page_views(host_indices[i * size]) for i in fresh]
-
-        def fill(j: int, payload: memoryview) -> None:
-            offset = 0
-            for run in views[j]:
-                payload[offset : offset + len(run)] = run
-                offset += len(run)
-
-        try:
-            tier.save_built([hashes[i] for i in fresh], fill)
-        except Exception:  # never into SGLang's backup thread: the pages stay unsaved (future misses)
-            _log.exception("kvblocks: queueing HiCache pages failed")
+        written = self._write(tier, mover, keys, host_indices)
+        if written is None:
             return [False] * len(keys)
-        self._window.note(
-            self._window.backup_pages,
-            self._window.backup_bandwidth,
-            len(fresh),
-            len(fresh) * self.format.payload_length,  # type: ignore[union-attr]
+        w = self._window
+        w.note(
+            w.backup_pages,
+            w.backup_bandwidth,
+            written,
+            written * tier.format.payload_length,
             time.perf_counter() - start,
         )
         return [True] * len(keys)
+
+    @staticmethod
+    def _write(tier: StorageTier, mover: PageMover, keys: list[str], host_indices: Any) -> int | None:
+        """Queue the pages not known stored; how many were queued (None: queueing failed, nothing more sent)."""
+        hashes = [page_hash(k) for k in keys]
+        slots = _first_slots(host_indices, mover.page_size, len(hashes))
+        fresh = [i for i, h in enumerate(hashes) if not tier.is_known(h)]
+        try:
+            mover.write(tier, [hashes[i] for i in fresh], [slots[i] for i in fresh])
+        except Exception:  # never into SGLang's backup thread: the pages stay unsaved (future misses)
+            _log.exception("kvblocks: queueing HiCache pages failed")
+            return None
+        return len(fresh)
+
+    # ------------------------------------------------------------------ extra pools (v2)
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """The KV prefix stored, cut to what every extra pool can restore with it (SGLang's hit policies:
+        ``all_pages``, every page of the prefix; ``trailing_pages``, the last ``len(transfer.keys)`` of it)."""
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransferResult
+
+        hashes = [page_hash(k) for k in keys]
+        kv_pages = self._stored_run(self._ready(), hashes)
+        hit_count: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            name = str(getattr(transfer.name, "value", transfer.name))
+            present = self._present(name, hashes[:kv_pages])
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = present.index(False) if False in present else kv_pages
+                pool_restorable = set(range(1, boundary + 1))
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(transfer.keys) if transfer.keys else 1)
+                pool_restorable = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - trailing) : n])}
+                boundary = max(pool_restorable, default=0)
+            else:
+                raise ConfigError(f"unknown SGLang pool hit policy {transfer.hit_policy!r}")
+            if boundary:
+                hit_count[transfer.name] = boundary
+            restorable = [n for n in restorable if n in pool_restorable]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+
+    def _present(self, name: str, hashes: list[Any]) -> list[bool]:
+        """Which of ``hashes`` pool ``name`` has stored (one bounded call to the store; none when it fails)."""
+        entry = self._extra.get(name)
+        if entry is None or not hashes:
+            return [False] * len(hashes)
+        tier = entry[1]
+        try:
+            return [bool(x) for x in tier.backend.exists([tier.keys_of(h)[0] for h in hashes])]
+        except Exception:  # a store that fails answers "nothing": SGLang recomputes
+            _log.exception("kvblocks: checking HiCache pool %s failed", name)
+            return [False] * len(hashes)
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Read each transfer's pages into its pool: True for the sound leading run, per pool."""
+        results: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            found = self._transfer(transfer)
+            if found is None:
+                results[transfer.name] = [False] * len(keys)
+                continue
+            mover, tier = found
+            hashes = [page_hash(k) for k in keys]
+            got = mover.read(tier, hashes, _first_slots(transfer.host_indices, mover.page_size, len(keys)))
+            results[transfer.name] = [i < got for i in range(len(keys))]
+        return results
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Queue each transfer's pages from its pool for the writer thread."""
+        results: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            found = self._transfer(transfer)
+            if found is None:
+                results[transfer.name] = [False] * len(keys)
+                continue
+            if not self.writer:
+                results[transfer.name] = [True] * len(keys)
+                continue
+            mover, tier = found
+            written = self._write(tier, mover, keys, transfer.host_indices)
+            results[transfer.name] = [written is not None] * len(keys)
+        return results
+
+    def _transfer(self, transfer: Any) -> tuple[PageMover, StorageTier] | None:
+        """The mover and tier of a transfer's pool, when it is registered and its indices cover its keys."""
+        name = str(getattr(transfer.name, "value", transfer.name))
+        found = (self._mover, self._ready()) if name == "kv" else self._extra.get(name)
+        if found is None or found[0] is None:
+            _log.error("kvblocks: SGLang pool %s was not registered with the HiCache backend", name)
+            return None
+        mover, tier = found[0], found[1]
+        keys = transfer.keys or []
+        indices = transfer.host_indices
+        if indices is None or int(indices.numel()) != len(keys) * mover.page_size:
+            _log.error("kvblocks: HiCache transfer of pool %s has indices that do not cover its pages", name)
+            return None
+        return mover, tier
 
     # ------------------------------------------------------------------ the generic (copying) calls
 
@@ -194,7 +300,7 @@ class KVBlocksHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is
         if target_locations is None or len(target_locations) != len(keys):
             return [None] * len(keys)
         hashes = [page_hash(k) for k in keys]
-        targets = [[_tensor_bytes(t)] for t in target_locations]
+        targets = [[tensor_bytes(t)] for t in target_locations]
         got = tier.read_into(hashes, targets)
         return [t if i < got else None for i, t in enumerate(target_locations)]
 
@@ -212,7 +318,7 @@ class KVBlocksHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is
             return False
         hashes = [page_hash(k) for k in keys]
         length = self.format.payload_length  # type: ignore[union-attr]
-        payloads = [_tensor_bytes(v.contiguous()) for v in values]
+        payloads = [tensor_bytes(v.contiguous()) for v in values]
         if any(len(p) != length for p in payloads):
             return False
         fresh = [i for i, h in enumerate(hashes) if not tier.is_known(h)]
@@ -253,16 +359,18 @@ class KVBlocksHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued writes (tests, shutdown)."""
-        return True if self.tier is None else self.tier.flush(timeout)
+        tiers = [t for _, t in self._extra.values()] + ([self.tier] if self.tier is not None else [])
+        return all([t.flush(timeout) for t in tiers])
 
     def close(self) -> None:
+        for _, tier in self._extra.values():
+            tier.close()
+        self._extra.clear()
         if self.tier is not None:
             self.tier.close()
 
 
-def _tensor_bytes(tensor: Any) -> memoryview:
-    """A CPU tensor's bytes, shared (not copied)."""
-    import torch
-
-    flat = tensor.reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+def _first_slots(host_indices: Any, page_size: int, pages: int) -> list[int]:
+    """The first host slot of each of ``pages`` pages laid out ``page_size`` slots apart in ``host_indices``."""
+    flat = host_indices.reshape(-1)
+    return [int(flat[i * page_size]) for i in range(pages)]

@@ -32,7 +32,7 @@ from kvblocks.errors import ConfigError, InvalidArgumentError
 from kvblocks.hashing import BlockHash, Namespace
 from kvblocks.tiers.entry import EntryFormat
 
-__all__ = ["SCHEME", "SglangPageFormat", "page_hash", "page_runs"]
+__all__ = ["SCHEME", "PageMover", "SglangPageFormat", "page_hash", "page_runs", "tensor_bytes"]
 
 SCHEME = "sglang-sha256"
 """SGLang's page hash chain (:mod:`kvblocks.hashing.sglang`): what HiCache's page keys are the hex of."""
@@ -95,11 +95,14 @@ class SglangPageFormat:
     pages are the same on every tensor-parallel rank, so it leaves the tensor rank out)."""
     item_bytes: int
     salt: str | None = None
+    pool: str = "kv"
+    """Which of SGLang's host pools (its ``PoolName``): the KV pages, or an extra pool's (Mamba state, SWA,
+    indexer), which are stored under the same page keys in key spaces of their own."""
 
     @classmethod
-    def of(cls, pool: Any, storage_config: Any, salt: str | None = None) -> SglangPageFormat:
-        """The format of ``pool`` (an SGLang host KV pool) under ``storage_config`` (its
-        ``HiCacheStorageConfig``); a pool kvblocks cannot store is a :class:`ConfigError`."""
+    def of(cls, pool: Any, storage_config: Any, salt: str | None = None, name: str = "kv") -> SglangPageFormat:
+        """The format of ``pool`` (an SGLang host pool, ``name`` in SGLang's ``PoolName``) under
+        ``storage_config`` (its ``HiCacheStorageConfig``); a pool kvblocks cannot store is a :class:`ConfigError`."""
         layout = str(getattr(pool, "layout", ""))
         page_size = int(pool.page_size)
         try:
@@ -108,8 +111,9 @@ class SglangPageFormat:
             raise ConfigError(f"kvblocks cannot store pages of this SGLang host pool (layout {layout!r}): {e}") from e
         if getattr(page, "device", None) is None or page.device.type != "cpu" or page.numel() == 0:
             raise ConfigError(f"kvblocks stores SGLang host pools on the CPU; this one's pages are on {page.device}")
-        mla = bool(storage_config.is_mla_model)
-        tp = "" if mla else f"tp{storage_config.tp_rank}of{storage_config.tp_size}"
+        # MLA pages are replicated across tensor-parallel ranks; Mamba state is sharded even then (as SGLang keys it)
+        replicated = bool(storage_config.is_mla_model) and name != "mamba"
+        tp = "" if replicated else f"tp{storage_config.tp_rank}of{storage_config.tp_size}"
         shard = (
             f"{tp}pp{storage_config.pp_rank}of{storage_config.pp_size}"
             f"cp{storage_config.attn_cp_rank}of{storage_config.attn_cp_size}"
@@ -125,6 +129,7 @@ class SglangPageFormat:
             shard=shard,
             item_bytes=int(page.element_size()),
             salt=salt,
+            pool=str(name),
         )
 
     @property
@@ -142,7 +147,16 @@ class SglangPageFormat:
     def entry_format(self) -> EntryFormat:
         """Every stored page's header; its tag is part of the key, so pages of two formats never meet."""
         description = repr(
-            ("sglang-hicache", self.model, self.dtype, self.layout, self.page_shape, self.page_size, self.shard)
+            (
+                "sglang-hicache",
+                self.model,
+                self.dtype,
+                self.layout,
+                self.page_shape,
+                self.page_size,
+                self.shard,
+                self.pool,
+            )
         )
         return EntryFormat(
             scheme=SCHEME,
@@ -151,3 +165,63 @@ class SglangPageFormat:
             fingerprint=xxhash.xxh3_64_intdigest(description.encode()),
             payload_length=self.payload_length,
         )
+
+
+class PageMover:
+    """Moves one host pool's pages between the pool and a storage tier.
+
+    In place when the pool's ``get_data_page(index, flat=False)`` is a view of its buffer (MHA and MLA pools):
+    a read lands straight in the pool, a write copies straight from it into the entry. Through SGLang's flat
+    pages when it is a copy (a Mamba state pool concatenates its tensors): a read fills a flat page that
+    ``set_from_flat_data_page`` puts back, a write stores ``get_data_page(index)``. Either way the stored
+    payload is the flat page.
+    """
+
+    def __init__(self, pool: Any) -> None:
+        import torch
+
+        self.pool = pool
+        self.page_size = int(getattr(pool, "page_size", 1) or 1)
+        first, again = pool.get_data_page(0, flat=False), pool.get_data_page(0, flat=False)
+        self.in_place = first.data_ptr() == again.data_ptr() and first.is_cpu
+        self._storage: memoryview | None = None
+        if self.in_place:
+            raw = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())  # the pool's buffer, as bytes
+            self._storage = memoryview(raw.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+
+    def _runs(self, index: int) -> list[memoryview]:
+        return page_runs(self.pool.get_data_page(int(index), flat=False), self._storage)  # type: ignore[arg-type]
+
+    def read(self, tier: Any, hashes: list[BlockHash], first_indices: list[int]) -> int:
+        """Read ``hashes``' pages into the pool at ``first_indices`` (each page's first slot); how many
+        leading pages arrived sound (past them the pool's slots may hold anything: SGLang recomputes)."""
+        if self.in_place:
+            return int(tier.read_into(hashes, [self._runs(i) for i in first_indices]))
+        pages = [self.pool.get_dummy_flat_data_page() for _ in hashes]
+        got = int(tier.read_into(hashes, [[tensor_bytes(p)] for p in pages]))
+        for index, page in zip(first_indices[:got], pages, strict=False):
+            self.pool.set_from_flat_data_page(int(index), page)
+        return got
+
+    def write(self, tier: Any, hashes: list[BlockHash], first_indices: list[int]) -> None:
+        """Queue ``hashes``' pages from the pool at ``first_indices`` for the tier's writer thread."""
+        if self.in_place:
+            views = [self._runs(i) for i in first_indices]
+        else:
+            views = [[tensor_bytes(self.pool.get_data_page(int(i), flat=True))] for i in first_indices]
+
+        def fill(j: int, payload: memoryview) -> None:
+            offset = 0
+            for run in views[j]:
+                payload[offset : offset + len(run)] = run
+                offset += len(run)
+
+        tier.save_built(hashes, fill)
+
+
+def tensor_bytes(tensor: Any) -> memoryview:
+    """A CPU tensor's bytes, shared (not copied)."""
+    import torch
+
+    flat = tensor.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")

@@ -63,12 +63,12 @@ def run_step(
     # 1. validate every entry: nothing changes unless the whole batch is sound
     plan = []
     for seq_id, s, n, tokens, new, k in zip(seq_ids, batch, commits, appends, news, drafts):  # lengths checked
-        packed: Sequence[int] | None = None
+        packed: Sequence[int] | int | None = None
         appended = 0
         if tokens is not None:
             if type(tokens) is tuple or type(tokens) is list:  # the common shapes, packed in C
                 if len(tokens) == 1 and type(tokens[0]) is int and 0 <= tokens[0] <= _MAX_TOKEN:
-                    packed = tokens  # one sound token (a decode step): the content's array takes it as it is
+                    packed = tokens[0]  # one sound token (a decode step): appended as it is
                 else:
                     try:
                         packed = array("I", tokens)
@@ -76,7 +76,7 @@ def run_step(
                         packed = pack_tokens(tokens)  # raises, naming the bad position
             else:
                 packed = pack_tokens(tokens)
-            appended = len(packed)
+            appended = 1 if type(packed) is int else len(packed)  # type: ignore[arg-type]
             if not appended:
                 packed = None
             elif type(s.content) is PrecomputedHashes:
@@ -113,7 +113,10 @@ def run_step(
         content = s.content
         if packed is not None:
             known = content.num_tokens
-            content.extend_packed(packed)
+            if type(packed) is int:
+                content.append_token(packed)
+            else:
+                content.extend_packed(packed)
         if n != committed:
             if n // size == committed // size and n <= s.num_covered and n < s.watch:
                 s.num_committed = n  # no block newly full, nothing watched: nothing enters the tree

@@ -117,6 +117,15 @@ class HashedTokens:
         self._tokens.extend(packed)
         return self._hash_new_blocks()
 
+    def append_token(self, token: int) -> int:
+        """:meth:`extend_packed` of one token the caller checked fits ``array("I")`` (a decode step's)."""
+        tokens = self._tokens
+        tokens.append(token)
+        n = self.num_tokens = len(tokens)
+        if n % self._hasher.block_size:
+            return 0  # no block newly full: nothing to hash
+        return self._hash_new_blocks()
+
     def truncate(self, num_tokens: int) -> None:
         """Forget the tokens from ``num_tokens`` on (an append the caller took back), and their blocks' hashes.
 

@@ -458,3 +458,18 @@ def test_a_bad_token_in_an_appended_list_or_tuple_changes_nothing(bad) -> None:
         content.extend(bad)
     assert content.token_ids == tuple(range(6)) and content.num_tokens == 6 and content.hashes == hashes
     assert content.extend((6, 7)) == 1 and content.hashes[1] == HashedTokens(BlockHasher(4), range(8)).hashes[1]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 2**32 - 1), max_size=40),
+    decoded=st.lists(st.integers(0, 2**32 - 1), max_size=40),
+    size=st.integers(1, 8),
+)
+def test_appending_one_token_at_a_time_hashes_as_extending_does(prompt, decoded, size) -> None:
+    """The decode step's append_token gives the tokens, hashes and new-block counts extend gives."""
+    hasher = BlockHasher(size)
+    one, many = HashedTokens(hasher, prompt), HashedTokens(hasher, prompt)
+    for token in decoded:
+        assert one.append_token(token) == many.extend([token])
+        assert (one.num_tokens, one.hashes, one.token_ids) == (many.num_tokens, many.hashes, many.token_ids)

@@ -321,3 +321,42 @@ def test_a_transfer_whose_indices_do_not_cover_its_pages_moves_nothing(tmp_path)
     short = PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(0, PAGE), keys=keys(2))
     assert b.batch_set_v2([short]) == {PoolName.SWA: [False, False]}
     assert b.batch_get_v2([short]) == {PoolName.SWA: [False, False]}
+
+
+def test_backup_and_prefetch_threads_at_once_never_read_wrong_pages(tmp_path) -> None:
+    """SGLang backs pages up on one thread while another prefetches: every page read is the page written."""
+    import threading
+
+    writer_pool = host_pool("layer_first", tokens=64)
+    fill_random(writer_pool, 30)
+    b = backend(writer_pool, extra(tmp_path))
+    reader_pool = host_pool("layer_first", tokens=64)
+    reader = backend(reader_pool, extra(tmp_path))
+    ks = keys(16)
+    expected = {k: writer_pool.get_data_page((i % 16) * PAGE).clone() for i, k in enumerate(ks)}
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def backup() -> None:
+        for start in range(0, 16, 4):
+            b.batch_set_v1(ks[start : start + 4], torch.arange(start * PAGE, (start + 4) * PAGE))
+        b.flush(10)
+        stop.set()
+
+    def prefetch() -> None:
+        while True:  # until one pass after the backup finished
+            n = reader.batch_exists(ks)
+            got = reader.batch_get_v1(ks[:n], torch.arange(0, n * PAGE))
+            for i, ok in enumerate(got):
+                if ok and not torch.equal(reader_pool.get_data_page(i * PAGE), expected[ks[i]]):
+                    errors.append(f"page {i} read wrong")
+            if stop.is_set():
+                break
+
+    threads = [threading.Thread(target=backup), threading.Thread(target=prefetch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert reader.batch_exists(ks) == 16

@@ -14,6 +14,9 @@ from kvblocks.hashing import PrecomputedHashes, pack_tokens
 __all__ = ["run_step"]
 
 _MAX_TOKEN = 0xFFFFFFFF  # what array("I") holds
+_MAX_COUNT = 1 << 60
+"""The largest token count the step computes with: no sequence gets near it, and sums of three such counts fit a
+signed 64-bit integer (what the compiled build's step counts in, kvblocks/core/step.pxd)."""
 
 
 def run_step(
@@ -62,7 +65,7 @@ def run_step(
     hooked = manager._guards_changes
     # 1. validate every entry: nothing changes unless the whole batch is sound
     plan = []
-    for seq_id, s, n, tokens, new, k in zip(seq_ids, batch, commits, appends, news, drafts):  # lengths checked
+    for seq_id, s, n_arg, tokens, new_arg, k_arg in zip(seq_ids, batch, commits, appends, news, drafts):
         packed: Sequence[int] | int | None = None
         appended = 0
         if tokens is not None:
@@ -82,10 +85,14 @@ def run_step(
             elif type(s.content) is PrecomputedHashes:
                 raise SequenceStateError(f"sequence {seq_id!r} was registered by block hashes; no tokens")
         committed = s.num_committed
-        if n is None:
+        if n_arg is None:
             n = committed
-        elif type(n) is not int:
-            n = _count_arg(n, "num_computed_tokens")
+        else:
+            if type(n_arg) is not int:
+                n_arg = _count_arg(n_arg, "num_computed_tokens")
+            if not 0 <= n_arg <= _MAX_COUNT:  # outside [committed, allocated] whatever the sequence: refused
+                manager._check_commit(seq_id, s, n_arg, appended)
+            n = n_arg
         slots = s.num_covered
         if (
             hooked
@@ -94,10 +101,11 @@ def run_step(
             or n > s.content.num_tokens + appended
         ):
             manager._check_commit(seq_id, s, n, appended)
-        if type(new) is not int or new < 0:
-            new = _count_arg(new, "num_new_tokens")
-        if type(k) is not int or k < 0:
-            k = _count_arg(k, "num_lookahead_tokens")
+        # counts past _MAX_COUNT cannot get their slots either way: taken as _MAX_COUNT, they fail to grow
+        new = min(
+            new_arg if type(new_arg) is int and new_arg >= 0 else _count_arg(new_arg, "num_new_tokens"), _MAX_COUNT
+        )
+        k = min(k_arg if type(k_arg) is int and k_arg >= 0 else _count_arg(k_arg, "num_lookahead_tokens"), _MAX_COUNT)
         covered = n + new
         plan.append((seq_id, s, n, packed, covered if covered > slots else slots, k))
     # 2. apply, sequence by sequence; one that cannot get its slots is left as it was

@@ -146,10 +146,11 @@ class TwinManagers(RuleBasedStateMachine):
     def step(self, data: st.DataObject) -> None:
         """Decode (one token), chunked prefill (a chunk), drafts (lookahead slots), or a bad entry."""
         ids = data.draw(st.lists(st.sampled_from(sorted(self.active)), min_size=1, max_size=4, unique=True))
-        computed = [data.draw(st.one_of(st.none(), st.integers(0, 40))) for _ in ids]
+        huge = st.sampled_from([-1, 2**63, 2**70])  # past the compiled step's 64-bit counts
+        computed = [data.draw(st.one_of(st.none(), st.integers(0, 40), huge)) for _ in ids]
         sampled = [data.draw(st.one_of(st.none(), tokens)) for _ in ids]
-        news = [data.draw(st.integers(0, 9)) for _ in ids]
-        drafts = [data.draw(st.integers(0, 3)) for _ in ids]
+        news = [data.draw(st.one_of(st.integers(0, 9), huge)) for _ in ids]
+        drafts = [data.draw(st.one_of(st.integers(0, 3), huge)) for _ in ids]
         self.both(lambda m: m.step(ids, computed, sampled, news, drafts))
 
     @precondition(lambda self: self.active)

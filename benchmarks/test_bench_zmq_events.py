@@ -140,7 +140,7 @@ def _gapped_stream(gaps: int, sockets: list[Any]) -> tuple[tuple[Any, EventConsu
     zmq_events.pump_subscriber(sub, consumer)
     for k in range(1, gaps + 1):
         pub.send_multipart(frame(2 * k))
-    time.sleep(0.2)  # all of them in the SUB's queue
+    time.sleep(1.0)  # all of them in the SUB's queue (0.2 s was too short for 1,000 with CI's side builds running)
     return (sub, consumer), {}
 
 

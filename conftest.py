@@ -27,8 +27,4 @@ collect_ignore += [
 # module it imports is not that file). CI runs those doctests under KVBLOCKS_PURE_PYTHON=1.
 from kvblocks import native  # noqa: E402
 
-collect_ignore += [
-    f"{name.replace('.', '/')}.py"
-    for name in native.COMPILED_MODULES
-    if not str(getattr(importlib.import_module(name), "__file__", "")).endswith(".py")
-]
+collect_ignore += [f"{name.replace('.', '/')}.py" for name in native.status().compiled]

@@ -10,8 +10,7 @@ its sources' digests in ``kvblocks/_native_build.json``, so that an extension wh
 
 from __future__ import annotations
 
-import ast
-import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -23,39 +22,23 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
-def _native_constant(name: str) -> object:
-    """A constant of kvblocks/native.py, read without importing kvblocks (its dependencies may be missing)."""
-    tree = ast.parse((ROOT / "kvblocks" / "native.py").read_text())
-    for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else None
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target = node.targets[0]
-        if isinstance(target, ast.Name) and target.id == name and node.value is not None:
-            return ast.literal_eval(node.value)
-    raise LookupError(f"kvblocks/native.py defines no {name}")
+def _load_native():  # type: ignore[no-untyped-def]
+    """kvblocks/native.py, loaded on its own (it imports only the standard library; kvblocks' dependencies may
+    be missing here): the module list, the switch and the digest the finder compares all come from it."""
+    name = "_kvblocks_native_for_build"  # not kvblocks.native: it installs no import finder under this name
+    spec = importlib.util.spec_from_file_location(name, ROOT / "kvblocks" / "native.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
-MODULES: tuple[str, ...] = _native_constant("COMPILED_MODULES")  # type: ignore[assignment]
-PURE_ENV: str = _native_constant("PURE_PYTHON_ENV")  # type: ignore[assignment]
-RECORD: str = _native_constant("BUILD_RECORD")  # type: ignore[assignment]
-
-
-def _pure_requested() -> bool:
-    return os.environ.get(PURE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+native = _load_native()
+MODULES: tuple[str, ...] = native.COMPILED_MODULES
 
 
 def _source(module: str) -> Path:
     return ROOT.joinpath(*module.split(".")).with_suffix(".py")
-
-
-def _digest(source: Path) -> str:
-    """kvblocks.native.source_digest, which the finder compares: the source, then its .pxd if there is one."""
-    digest = hashlib.sha256(source.read_bytes())
-    declarations = source.with_suffix(".pxd")
-    if declarations.is_file():
-        digest.update(b"\0")
-        digest.update(declarations.read_bytes())
-    return digest.hexdigest()
 
 
 def _say(message: str) -> None:
@@ -86,17 +69,17 @@ class OptionalBuildExt(build_ext):
         self._write_record()
 
     def _write_record(self) -> None:
-        record = {"sources": {m: _digest(_source(m)) for m in MODULES}}
+        record = {"sources": {m: native.source_digest(_source(m)) for m in MODULES}}
         text = json.dumps(record, indent=1, sort_keys=True) + "\n"
         # beside the extensions: in the source tree (an editable install) or in the build's package folder
-        target = (ROOT if self.inplace else Path(self.build_lib)) / "kvblocks" / RECORD
+        target = (ROOT if self.inplace else Path(self.build_lib)) / "kvblocks" / native.BUILD_RECORD
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
 
 
 def _extensions() -> list:  # type: ignore[type-arg]
-    if _pure_requested():
-        _say(f"{PURE_ENV} is set: installing pure Python (nothing compiled)")
+    if native.pure_python_requested():
+        _say(f"{native.PURE_PYTHON_ENV} is set: installing pure Python (nothing compiled)")
         return []
     try:
         from Cython.Build import cythonize
@@ -129,4 +112,4 @@ def _placeholders() -> list:  # type: ignore[type-arg]
 
 
 # KVBLOCKS_PURE_PYTHON=1: no extension at all, so that a wheel built so is a pure one (py3-none-any)
-setup(ext_modules=[] if _pure_requested() else _placeholders(), cmdclass={"build_ext": OptionalBuildExt})
+setup(ext_modules=[] if native.pure_python_requested() else _placeholders(), cmdclass={"build_ext": OptionalBuildExt})

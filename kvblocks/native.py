@@ -228,4 +228,5 @@ def describe() -> str:
     return str(status())
 
 
-install_finder()  # before any hot module is imported: kvblocks/__init__.py imports this module first
+if __name__ == "kvblocks.native":  # setup.py loads this file on its own, to read the list: no finder there
+    install_finder()  # before any hot module is imported: kvblocks/__init__.py imports this module first

@@ -201,7 +201,7 @@ def test_an_edited_declaration_file_makes_the_extension_stale(tmp_path, monkeypa
 
 
 def test_the_builds_record_is_what_the_finder_computes() -> None:
-    """setup.py writes the digests the finder compares (its own copy of source_digest): they must agree."""
+    """The record setup.py wrote holds what the finder computes for today's sources (a current build)."""
     record_path = ROOT / "kvblocks" / native.BUILD_RECORD
     state = native.status()
     if not record_path.is_file() or state.pure:

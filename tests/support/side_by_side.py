@@ -60,15 +60,16 @@ def load_pure(preload: tuple[str, ...] = ()) -> dict[str, ModuleType]:
 
 @contextmanager
 def _pure_python(on: bool) -> Iterator[None]:
+    """``KVBLOCKS_PURE_PYTHON=1`` while the copy is imported (when ``on``), then as it was."""
+    if not on:
+        yield
+        return
     before = os.environ.get(native.PURE_PYTHON_ENV)
-    if on:
-        os.environ[native.PURE_PYTHON_ENV] = "1"
+    os.environ[native.PURE_PYTHON_ENV] = "1"
     try:
         yield
     finally:
-        if not on:
-            pass
-        elif before is None:
+        if before is None:
             del os.environ[native.PURE_PYTHON_ENV]
         else:
             os.environ[native.PURE_PYTHON_ENV] = before

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
@@ -80,19 +81,7 @@ class KVBlocksHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is
                 raise ConfigError("KVBlocksHiCacheStorage serves one host KV pool; another format was registered")
             return
         mover = PageMover(mem_pool_host)
-        settings = self.settings
-        self.tier = StorageTier(
-            TierConfig(
-                storage=settings.open_storage(writes=self.writer),
-                entry_format=fmt.entry_format,
-                max_pending_writes=settings.max_pending_writes,
-                storage_timeout_s=settings.storage_timeout_s,
-            ),
-            fmt.namespace,
-            SCHEME,
-            fmt.page_size,
-            writer_on_demand=not self.writer,
-        )
+        self.tier = self._open_tier(fmt, self.settings.open_storage(writes=self.writer), owns_backend=True)
         self.format, self._mover = fmt, mover
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -105,23 +94,28 @@ class KVBlocksHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is
             return
         main = self._ready()
         fmt = SglangPageFormat.of(host_pool, self.storage_config, self.settings.salt, name)
-        tier = StorageTier(
-            TierConfig(
-                storage=main.backend,
-                entry_format=fmt.entry_format,
-                max_pending_writes=self.settings.max_pending_writes,
-                storage_timeout_s=self.settings.storage_timeout_s,
-            ),
-            fmt.namespace,
-            SCHEME,
-            fmt.page_size,
-            owns_backend=False,  # the KV tier closes the store
-            writer_on_demand=not self.writer,
-        )
+        tier = self._open_tier(fmt, main.backend, owns_backend=False)  # the KV tier closes the store
         old = self._extra.pop(name, None)
         if old is not None:
             old[1].close()
         self._extra[name] = (PageMover(host_pool), tier)
+
+    def _open_tier(self, fmt: SglangPageFormat, storage: Any, *, owns_backend: bool) -> StorageTier:
+        """A storage tier for one pool's pages: its format's key space and header, over ``storage``."""
+        settings = self.settings
+        return StorageTier(
+            TierConfig(
+                storage=storage,
+                entry_format=fmt.entry_format,
+                max_pending_writes=settings.max_pending_writes,
+                storage_timeout_s=settings.storage_timeout_s,
+            ),
+            fmt.namespace,
+            SCHEME,
+            fmt.page_size,
+            owns_backend=owns_backend,
+            writer_on_demand=not self.writer,
+        )
 
     def _ready(self) -> StorageTier:
         if self.tier is None:
@@ -153,14 +147,13 @@ class KVBlocksHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is
         True for the sound leading run, False from the first page that is missing, damaged or foreign."""
         tier = self._ready()
         mover: PageMover = self._mover  # type: ignore[assignment]  # set with the tier
-        hashes = [page_hash(k) for k in keys]
         start = time.perf_counter()
-        got = mover.read(tier, hashes, _first_slots(host_indices, mover.page_size, len(hashes)))
+        got = self._read(tier, mover, keys, host_indices)
         w = self._window
         w.note(
             w.prefetch_pages, w.prefetch_bandwidth, got, got * tier.format.payload_length, time.perf_counter() - start
         )
-        return [i < got for i in range(len(hashes))]
+        return [i < got for i in range(len(keys))]
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Queue pages from the host pool at ``host_indices`` for the writer thread (each copied once, into
@@ -183,6 +176,11 @@ class KVBlocksHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is
             time.perf_counter() - start,
         )
         return [True] * len(keys)
+
+    @staticmethod
+    def _read(tier: StorageTier, mover: PageMover, keys: list[str], host_indices: Any) -> int:
+        """Read the pages of ``keys`` into the pool at ``host_indices``; how many leading pages arrived sound."""
+        return mover.read(tier, [page_hash(k) for k in keys], _first_slots(host_indices, mover.page_size, len(keys)))
 
     @staticmethod
     def _write(tier: StorageTier, mover: PageMover, keys: list[str], host_indices: Any) -> int | None:
@@ -241,34 +239,34 @@ class KVBlocksHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is
 
     def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
         """Read each transfer's pages into its pool: True for the sound leading run, per pool."""
-        results: dict[str, list[bool]] = {}
-        for transfer in transfers:
-            keys = list(transfer.keys or [])
-            found = self._transfer(transfer)
-            if found is None:
-                results[transfer.name] = [False] * len(keys)
-                continue
-            mover, tier = found
-            hashes = [page_hash(k) for k in keys]
-            got = mover.read(tier, hashes, _first_slots(transfer.host_indices, mover.page_size, len(keys)))
-            results[transfer.name] = [i < got for i in range(len(keys))]
-        return results
+
+        def read(tier: StorageTier, mover: PageMover, keys: list[str], indices: Any) -> list[bool]:
+            got = self._read(tier, mover, keys, indices)
+            return [i < got for i in range(len(keys))]
+
+        return self._per_pool(transfers, read)
 
     def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
         """Queue each transfer's pages from its pool for the writer thread."""
+
+        def write(tier: StorageTier, mover: PageMover, keys: list[str], indices: Any) -> list[bool]:
+            if not self.writer:
+                return [True] * len(keys)
+            return [self._write(tier, mover, keys, indices) is not None] * len(keys)
+
+        return self._per_pool(transfers, write)
+
+    def _per_pool(
+        self, transfers: list[Any], move: Callable[[StorageTier, PageMover, list[str], Any], list[bool]]
+    ) -> dict[str, list[bool]]:
+        """``move`` each transfer's pages (all False for a pool not registered or indices that do not fit)."""
         results: dict[str, list[bool]] = {}
         for transfer in transfers:
             keys = list(transfer.keys or [])
             found = self._transfer(transfer)
-            if found is None:
-                results[transfer.name] = [False] * len(keys)
-                continue
-            if not self.writer:
-                results[transfer.name] = [True] * len(keys)
-                continue
-            mover, tier = found
-            written = self._write(tier, mover, keys, transfer.host_indices)
-            results[transfer.name] = [written is not None] * len(keys)
+            results[transfer.name] = (
+                [False] * len(keys) if found is None else move(found[1], found[0], keys, transfer.host_indices)
+            )
         return results
 
     def _transfer(self, transfer: Any) -> tuple[PageMover, StorageTier] | None:
@@ -317,8 +315,8 @@ class KVBlocksHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is
         if values is None or len(values) != len(keys):
             return False
         hashes = [page_hash(k) for k in keys]
-        length = self.format.payload_length  # type: ignore[union-attr]
-        payloads = [tensor_bytes(v.contiguous()) for v in values]
+        length = tier.format.payload_length
+        payloads = [tensor_bytes(v) for v in values]
         if any(len(p) != length for p in payloads):
             return False
         fresh = [i for i, h in enumerate(hashes) if not tier.is_known(h)]

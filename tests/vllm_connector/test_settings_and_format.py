@@ -97,3 +97,41 @@ def test_without_vllm_the_connector_names_what_to_install() -> None:
         _ = integration.KVBlocksConnector
     with pytest.raises(AttributeError):
         _ = integration.NoSuchThing
+
+
+def _spec(name: str, **fields: object) -> object:
+    return type(name, (), fields)()
+
+
+def test_group_kinds_come_from_vllms_spec_classes_and_mamba_state_is_refused() -> None:
+    from kvblocks.integrations.vllm.groups import _kind_of
+
+    assert _kind_of(0, _spec("FullAttentionSpec", sliding_window=None, attention_chunk_size=None)) == ("full", None)
+    assert _kind_of(1, _spec("SlidingWindowSpec", sliding_window=64, extra_retained_tokens=3)) == ("sliding_window", 67)
+    assert _kind_of(2, _spec("ChunkedLocalAttentionSpec", attention_chunk_size=256)) == ("chunked_local", 256)
+    with pytest.raises(ConfigError, match=r"group 3 is MambaSpec \(Mamba / linear-attention state"):
+        _kind_of(3, _spec("MambaSpec"))
+    with pytest.raises(ConfigError, match="MLAAttentionSpec"):
+        _kind_of(0, _spec("MLAAttentionSpec"))
+    with pytest.raises(ConfigError, match="with a window"):
+        _kind_of(0, _spec("FullAttentionSpec", sliding_window=64))
+
+
+def test_each_group_of_a_hybrid_model_stores_under_a_key_space_naming_it() -> None:
+    from kvblocks.integrations.vllm.groups import VllmGroup
+
+    fmt = VllmKVFormat("tiny", "float32", 2, (2, 32, 64), 32, "sha256")
+    single = VllmGroup(0, "full", None, ("l0", "l1"), fmt)
+    assert single.tag == fmt.tag  # one full-attention group: the key space stores written before HMA use
+    tags = {
+        VllmGroup(n, kind, span, ("l0",), fmt, hybrid=True).tag
+        for n, kind, span in (
+            (0, "full", None),
+            (1, "full", None),
+            (0, "sliding_window", 64),
+            (0, "sliding_window", 128),
+        )
+    }
+    assert len(tags) == 4 and fmt.tag not in tags
+    rule = VllmGroup(0, "sliding_window", 64, ("l0",), fmt, hybrid=True).rule
+    assert (rule.kind, rule.block_size, rule.span) == ("sliding_window", 32, 64)

@@ -159,3 +159,81 @@ def test_reports_of_two_ranks_merge_into_the_union() -> None:
     assert a.merged(b) == WorkerReport(
         {1: frozenset({2, 3}), 2: frozenset(), 3: frozenset({9})}, (("r", b"h1"), ("s", b"h2"))
     )
+
+
+@pytest.fixture
+def hybrid(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A per-request worker over two groups sharing one backend, each group under a key space of its own."""
+    from kvblocks.hashing import Namespace
+    from kvblocks.tiers.config import TierConfig
+    from kvblocks.tiers.entry import group_tag
+    from kvblocks.tiers.storage_tier import StorageTier
+    from tests.support.vllm_transfer import FMT
+
+    storage = FileStorage(tmp_path)
+    tiers = [
+        StorageTier(
+            TierConfig(storage=storage, entry_format=FMT.entry_format),
+            Namespace(FMT.model),
+            FMT.scheme,
+            FMT.block_size,
+            tag=group_tag(FMT.tag, number, kind, FMT.block_size, 64 if number == 0 else 0),
+            owns_backend=number == 0,
+        )
+        for number, kind in enumerate(("sliding_window", "full"))
+    ]
+    made = ConnectorWorker(tiers, per_request=True)
+    made.group_blocks[0] = LayerBlocks(kv(1))
+    made.group_blocks[1] = LayerBlocks(kv(2))
+    yield made
+    for tier in reversed(tiers):
+        tier.close()
+
+
+def test_a_per_request_worker_reports_loads_by_request_and_zeroes_what_failed(hybrid: ConnectorWorker) -> None:
+    source = kv(5)
+    for tier in hybrid.tiers:
+        tier.save(HASHES, [payload_of(source, b) for b in range(len(HASHES))])
+        assert tier.flush(5.0)
+    (key,) = hybrid.tiers[1].keys_of(HASHES[2])
+    hybrid.tiers[1].backend.put([(key, b"damaged")])  # group 1's block 2 will not load; group 0's will
+    plan = StepPlan(
+        loads=(
+            BlockRun("ok", (HASHES[2], HASHES[3]), (4, 5), group=0),
+            BlockRun("bad", tuple(HASHES), (0, 1, 2, 3), group=1),
+            BlockRun("empty", (), ()),
+        ),
+        step=1,
+        failed_requests=("lost",),
+    )
+    hybrid.load(plan)
+    window = hybrid.group_blocks[0]
+    full = hybrid.group_blocks[1]
+    assert window is not None and full is not None
+    named = dict(zip(window.layer_names, window._tensors, strict=True))
+    assert payload_of(named, 4) == payload_of(source, 2) and payload_of(named, 5) == payload_of(source, 3)
+    assert all((layer[b] == 0).all() for layer in full._tensors for b in (2, 3))  # zero, not NaN: vLLM frees them
+    assert hybrid.take_finished_loads() == ({"ok", "bad", "empty", "lost"}, {"bad", "lost"})
+    assert hybrid.take_finished_loads() == (set(), set())
+    assert hybrid.take_load_errors() == set() and hybrid.report() is None  # never block ids: unique per group only
+    assert hybrid.stats.load_blocks == 4 and hybrid.stats.load_failed_blocks == 2
+    assert hybrid.counters()["loads_corrupt"] == 1
+
+
+def test_a_per_request_worker_saves_each_run_into_its_groups_key_space(hybrid: ConnectorWorker) -> None:
+    plan = StepPlan(
+        saves=(BlockRun("r", (HASHES[0],), (1,), group=0), BlockRun("r", (HASHES[0],), (1,), group=1)), step=1
+    )
+    hybrid.save(plan)
+    assert all(tier.flush(5.0) for tier in hybrid.tiers)
+    target = LayerBlocks(kv(9))
+    named = dict(zip(target.layer_names, target._tensors, strict=True))
+    for number, seed in ((0, 1), (1, 2)):
+        assert hybrid.tiers[number].read_into([HASHES[0]], [target.views(7)]) == 1
+        assert payload_of(named, 7) == payload_of(kv(seed), 1)  # each group's own layers, under its own key
+    assert hybrid.tiers[0].keys_of(HASHES[0]) != hybrid.tiers[1].keys_of(HASHES[0])
+
+
+def test_a_worker_needs_a_tier() -> None:
+    with pytest.raises(ConfigError):
+        ConnectorWorker([])

@@ -13,6 +13,8 @@ BLOCK_SIZE = 32
 VOCAB_SIZE = 1024
 KV_CACHE_BYTES = 64 << 20
 MAX_MODEL_LEN = 1024
+SLIDING_WINDOW = 64
+"""The tiny sliding-window models' window: two blocks, shorter than every test prompt."""
 
 
 def build_llm(

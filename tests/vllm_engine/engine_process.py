@@ -42,13 +42,16 @@ def _connector_stats(llm: Any) -> dict[str, Any] | None:
     worker = get_kv_transfer_group()
     if not hasattr(worker, "tier"):
         return None
-    flushed = worker.tier.flush(60.0)
+    flushed = all(tier.flush(60.0) for tier in worker.tiers)
     return {
         "flushed": flushed,
         "scheduler": vars(scheduler.stats),
         "worker": vars(worker.stats),
         "tier": vars(worker.tier.stats),
-        "writer_dropped": worker.tier.writer.stats.dropped,
+        "tiers": [vars(tier.stats) for tier in worker.tiers],  # one per KV cache group (hybrid models)
+        "writer_dropped": sum(tier.writer.stats.dropped for tier in worker.tiers),
+        "hybrid": scheduler.hybrid,
+        "groups": [[group.kind, group.span, group.tag] for group in scheduler.groups],
     }
 
 
@@ -75,10 +78,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             results.append({"tokens": tokens, "logprobs": chosen})
         connector = _connector_stats(llm)  # flushes the writes first
         metrics = {name: metric(llm, name) for name in METRICS}
+        core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+        groups = core.scheduler.kv_cache_config.kv_cache_groups if core is not None else []
         for m in llm.get_metrics():  # the connector's counters in vLLM's metrics (vllm:kvblocks_*)
             if m.name.startswith("vllm:kvblocks_") and hasattr(m, "value"):
                 metrics[m.name] = metrics.get(m.name, 0.0) + m.value
-        return {"outputs": results, "metrics": metrics, "connector": connector}
+        kv_cache_groups = [type(group.kv_cache_spec).__name__ for group in groups]  # what vLLM's allocator made
+        return {"outputs": results, "metrics": metrics, "connector": connector, "kv_cache_groups": kv_cache_groups}
     finally:
         shutdown_llm(llm)
 

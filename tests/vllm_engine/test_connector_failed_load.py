@@ -40,7 +40,7 @@ def _configs(store: Path) -> tuple[Any, Any]:
         kv_transfer_config=transfer,
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         model_config=SimpleNamespace(model="toy"),
-        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256"),
+        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256", block_size=BS),
     )
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32)
     group = SimpleNamespace(kv_cache_spec=spec, layer_names=["model.layers.0.attn", "model.layers.1.attn"])

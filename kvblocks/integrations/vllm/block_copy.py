@@ -149,17 +149,28 @@ class LayerBlocks:
         """Fill ``block_ids`` of every layer with 0xFF bytes: NaN in every float format (float32, float16, bfloat16,
         float8 e4m3 and e5m2), so KV that failed to load can never be read as KV -- whatever attends to it turns
         NaN, and nothing computed over it passes for sound. (An integer KV cache reads it as -1.)"""
+        self.fill(block_ids, 0xFF)
+
+    def zero(self, block_ids: Sequence[int]) -> None:
+        """Fill ``block_ids`` of every layer with zero bytes: for a failed load whose blocks vLLM frees unread (a
+        hybrid model's). Such a block goes back to vLLM's free pool, and a request that later fills it only in
+        part attends over its tail with zero weight -- which NaN would still turn into NaN (0 x NaN), and a
+        half-read damaged entry may hold NaN bit patterns."""
+        self.fill(block_ids, 0)
+
+    def fill(self, block_ids: Sequence[int], value: int) -> None:
+        """Set every byte of ``block_ids`` in every layer to ``value`` (0..255)."""
         ids = self._checked(block_ids)
         if not ids:
             return
         if self._host is not None:
             for host in self._host:
                 for b in ids:
-                    host[b].fill(0xFF)
+                    host[b].fill(value)
             return
         index = torch.tensor(ids, dtype=torch.long, device=self.device)
         for tensor in self._tensors:
-            tensor.view(torch.uint8).index_fill_(0, index, 0xFF)
+            tensor.view(torch.uint8).index_fill_(0, index, value)
 
     def read(self, block_ids: Sequence[int]) -> list[memoryview]:
         """The payloads of ``block_ids``, copied out of the tensors now (the blocks may be reused at once).

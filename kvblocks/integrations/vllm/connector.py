@@ -40,14 +40,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvblocks.backends.spec import DTYPE_SIZES
 from kvblocks.errors import ConfigError
 from kvblocks.hashing import Namespace
-from kvblocks.integrations.vllm.kv_format import VllmKVFormat
+from kvblocks.integrations.vllm.groups import VllmGroup, describe_format, describe_groups
+from kvblocks.integrations.vllm.hybrid_planner import HybridPlanner
 from kvblocks.integrations.vllm.planner import Scheduled, StepPlan, TransferPlanner
 from kvblocks.integrations.vllm.settings import ConnectorSettings
 from kvblocks.integrations.vllm.stats import KVBlocksConnectorStats, KVBlocksPromMetrics
@@ -64,6 +66,7 @@ __all__ = [
     "KVBlocksConnectorMetadata",
     "KVBlocksWorkerMetadata",
     "describe_format",
+    "describe_groups",
 ]
 
 _log = logging.getLogger("kvblocks.integrations.vllm")
@@ -89,51 +92,7 @@ class KVBlocksWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         return self
 
 
-def describe_format(vllm_config: Any, kv_cache_config: Any, salt: str | None) -> VllmKVFormat:
-    """The stored-block format of this deployment, from what both connector halves are given."""
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1:
-        raise ConfigError(
-            f"KVBlocksConnector stores models with one KV cache group (full attention); this one has {len(groups)}"
-        )
-    spec = groups[0].kv_cache_spec
-    kind = type(spec).__name__
-    local = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
-    if kind != "FullAttentionSpec" or local:
-        raise ConfigError(f"KVBlocksConnector stores full-attention KV only, not {kind}")
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size != 1:
-        raise ConfigError("KVBlocksConnector does not support pipeline parallelism yet")
-    dtype = str(spec.dtype).removeprefix("torch.")
-    if dtype not in DTYPE_SIZES:
-        raise ConfigError(f"KV cache dtype {dtype} is not one kvblocks stores")
-    page = int(spec.page_size_bytes)
-    itemsize = DTYPE_SIZES[dtype]
-    from vllm.platforms import current_platform
-
-    layout = ":".join(
-        str(part)
-        for part in (
-            current_platform.device_type,
-            kv_cache_config.kv_cache_layout,
-            f"kv{spec.num_kv_heads}",
-            f"hs{spec.head_size}",
-            f"tp{parallel.tensor_parallel_size}",
-        )
-    )
-    return VllmKVFormat(
-        model=str(vllm_config.model_config.model),
-        dtype=dtype,
-        num_layers=len(groups[0].layer_names),
-        block_shape=(page // itemsize,),
-        block_size=int(spec.block_size),
-        hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
-        layout=layout,
-        salt=salt,
-    )
-
-
-class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVBlocksConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Stores vLLM's full blocks in kvblocks' storage tier and loads them back as external hits.
 
     Configured through ``kv_transfer_config`` (see :mod:`kvblocks.integrations.vllm.settings`)::
@@ -149,7 +108,10 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
         log_like_vllm()
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
-        self.format = describe_format(vllm_config, kv_cache_config, self.settings.salt)
+        self.groups: tuple[VllmGroup, ...] = describe_groups(vllm_config, kv_cache_config, self.settings.salt)
+        self.hybrid = self.groups[0].hybrid
+        """vLLM's hybrid allocator with several groups or a windowed one: per-group keys, asynchronous loads."""
+        self.format = self.groups[0].format
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         self._cache_hit_source = (
@@ -165,23 +127,36 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             ranks = (int(get_tensor_model_parallel_rank()),) if tp > 1 else ()
-            reduce = _tp_reduce() if tp > 1 else None
-        fmt = self.format
-        self.tier = StorageTier(
-            TierConfig(
-                storage=self.settings.open_storage(writes=not self._is_scheduler),  # the scheduler only looks up
-                entry_format=fmt.entry_format,
-                ranks=ranks,
-                max_pending_writes=self.settings.max_pending_writes,
-                storage_timeout_s=self.settings.storage_timeout_s,
-            ),
-            Namespace(fmt.model, fmt.salt),
-            fmt.scheme,
-            fmt.block_size,
-            writer_on_demand=self._is_scheduler,  # the scheduler's half never saves: no writer thread
+            reduce = _tp_reduce() if tp > 1 and not self.hybrid else None
+        storage = self.settings.open_storage(writes=not self._is_scheduler)  # the scheduler only looks up
+        self.tiers = tuple(
+            StorageTier(
+                TierConfig(
+                    storage=storage,
+                    entry_format=group.format.entry_format,
+                    ranks=ranks,
+                    max_pending_writes=self.settings.max_pending_writes,
+                    storage_timeout_s=self.settings.storage_timeout_s,
+                ),
+                Namespace(group.format.model, group.format.salt),
+                group.format.scheme,
+                group.format.block_size,
+                tag=group.tag,
+                owns_backend=group.number == 0,  # one backend, closed by group 0's tier (closed last)
+                writer_on_demand=self._is_scheduler,  # the scheduler's half never saves: no writer thread
+            )
+            for group in self.groups
         )
-        self.planner = TransferPlanner(self.tier, fmt.block_size, lookup_timeout_s=self.settings.lookup_timeout_s)
-        self.worker = ConnectorWorker(self.tier, reduce=reduce)
+        self.tier = self.tiers[0]
+        fmt = self.format
+        timeout = self.settings.lookup_timeout_s
+        self.planner: TransferPlanner | HybridPlanner
+        if self.hybrid:
+            rules = [group.rule for group in self.groups]
+            self.planner = HybridPlanner(rules, self.tiers, fmt.block_size, lookup_timeout_s=timeout)
+        else:
+            self.planner = TransferPlanner(self.tier, fmt.block_size, lookup_timeout_s=timeout)
+        self.worker = ConnectorWorker(self.tiers, reduce=reduce, per_request=self.hybrid)
         self._source = "scheduler" if self._is_scheduler else f"worker{ranks[0] if ranks else 0}"
 
     @property
@@ -199,29 +174,40 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except Exception as error:  # never into the engine: no hit
             self._plan_error("match", error)
             return 0, False
-        return tokens, False
+        return tokens, self.hybrid and bool(tokens)  # a hybrid model's load is asynchronous (see hybrid_planner)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens == 0:
             return
         block_ids: list[int] = []
         try:
-            block_ids = list(blocks.get_block_ids()[0])
-            self.planner.allocated(request.request_id, block_ids, num_external_tokens)
+            tables = blocks.get_block_ids()
+            if isinstance(self.planner, HybridPlanner):
+                self.planner.allocated(request.request_id, [list(ids) for ids in tables], num_external_tokens)
+            else:
+                block_ids = list(tables[0])
+                self.planner.allocated(request.request_id, block_ids, num_external_tokens)
         except Exception as error:
             # vLLM counts these tokens as loaded: blocks no load will fill are reported as failed loads
             self._plan_error("allocated", error)
-            self.planner.fail(block_ids)
+            if isinstance(self.planner, HybridPlanner):
+                self.planner.fail(request.request_id)
+            else:
+                self.planner.fail(block_ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBlocksConnectorMetadata:
         try:
-            return KVBlocksConnectorMetadata(self.planner.plan_step(*_step_of(scheduler_output)))
+            return KVBlocksConnectorMetadata(self.planner.plan_step(*_step_of(scheduler_output, self.hybrid)))
         except Exception as error:  # no saves this step (future misses); the loads still run
             self._plan_error("step", error)
             return KVBlocksConnectorMetadata(self.planner.salvage())
 
     def update_connector_output(self, connector_output: Any) -> None:
         try:
+            if isinstance(self.planner, HybridPlanner):
+                finished = getattr(connector_output, "finished_recving", None) or ()
+                self.planner.loads_done(finished, getattr(connector_output, "failed_recving", None) or ())
+                return
             failed = getattr(connector_output, "invalid_block_ids", None)
             if failed:
                 self.planner.load_failed(failed)
@@ -235,6 +221,13 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.planner.finished(request.request_id)
         return False, None  # saves copy their blocks in the step that fills them: nothing holds the blocks
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator's end of a request (every group's blocks): as :meth:`request_finished`."""
+        self.planner.finished(request.request_id)
+        return False, None
+
     def _plan_error(self, what: str, error: Exception) -> None:
         self.stats.plan_errors += 1
         self.stats.note_error(f"{what}: {error!r}")
@@ -245,14 +238,22 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from kvblocks.integrations.vllm.block_copy import LayerBlocks
 
-        blocks = LayerBlocks(kv_caches)
-        fmt = self.format
-        if len(blocks.layer_names) != fmt.num_layers or blocks.bytes_per_layer_block != fmt.bytes_per_layer_block:
-            raise ConfigError(
-                f"vLLM registered {len(blocks.layer_names)} layers of {blocks.bytes_per_layer_block} bytes per block; "
-                f"the KV cache config says {fmt.num_layers} of {fmt.bytes_per_layer_block}"
-            )
-        self.worker.blocks = blocks
+        for group in self.groups:
+            if self.hybrid:
+                missing = [name for name in group.layer_names if name not in kv_caches]
+                if missing:
+                    raise ConfigError(f"vLLM registered no KV cache for group {group.number}'s layers {missing}")
+                blocks = LayerBlocks({name: kv_caches[name] for name in group.layer_names})
+            else:
+                blocks = LayerBlocks(kv_caches)
+            fmt = group.format
+            if len(blocks.layer_names) != fmt.num_layers or blocks.bytes_per_layer_block != fmt.bytes_per_layer_block:
+                raise ConfigError(
+                    f"vLLM registered {len(blocks.layer_names)} layers of {blocks.bytes_per_layer_block} bytes per "
+                    f"block for group {group.number}; the KV cache config says {fmt.num_layers} of "
+                    f"{fmt.bytes_per_layer_block}"
+                )
+            self.worker.group_blocks[group.number] = blocks
 
     @property
     def blocks(self) -> Any:
@@ -275,7 +276,14 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.worker.save(plan)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.take_load_errors()
+        return self.worker.take_load_errors()  # always empty for a hybrid model (see get_transfer_results)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """A hybrid model's loads, per request: every one that ran is finished, the unsound ones failed too."""
+        if not self.hybrid:
+            return super().get_transfer_results(finished_req_ids)
+        finished, failed = self.worker.take_finished_loads()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def build_connector_worker_meta(self) -> KVBlocksWorkerMetadata | None:
         report = self.worker.report()
@@ -306,7 +314,8 @@ class KVBlocksConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return meta.plan if isinstance(meta, KVBlocksConnectorMetadata) else None
 
     def shutdown(self) -> None:
-        self.tier.close()
+        for tier in reversed(self.tiers):  # group 0's tier owns the backend: it closes last
+            tier.close()
 
 
 def log_like_vllm() -> None:
@@ -325,16 +334,23 @@ def log_like_vllm() -> None:
         ours.setLevel(logging.INFO)
 
 
-def _step_of(out: Any) -> tuple[list[Scheduled], tuple[str, ...]]:
-    """vLLM's scheduler output as the planner's plain records: running requests, then new ones (their order)."""
+def _step_of(out: Any, per_group: bool = False) -> tuple[list[Scheduled], tuple[str, ...]]:
+    """vLLM's scheduler output as the planner's plain records: running requests, then new ones (their order).
+
+    Block ids are group 0's list, or with ``per_group`` (hybrid models) a list per group."""
+
+    def ids(groups: Any) -> Any:
+        if per_group:
+            return [list(g) for g in groups] if groups else ()
+        return list(groups[0]) if groups else []
+
     scheduled = out.num_scheduled_tokens
     drafts = out.scheduled_spec_decode_tokens or {}
     cached = out.scheduled_cached_reqs
     resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
     records: list[Scheduled] = []
     for i, request_id in enumerate(cached.req_ids):
-        groups = cached.new_block_ids[i]
-        fresh = list(groups[0]) if groups else []
+        fresh = ids(cached.new_block_ids[i])
         # a resumed request's new block ids are its whole table; a running one's extend it
         records.append(
             Scheduled(
@@ -353,7 +369,7 @@ def _step_of(out: Any) -> tuple[list[Scheduled], tuple[str, ...]]:
                 new.num_computed_tokens,
                 int(scheduled.get(new.req_id, 0)),
                 len(drafts.get(new.req_id, ())),
-                block_ids=list(new.block_ids[0]),
+                block_ids=ids(new.block_ids),
             )
         )
     return records, tuple(out.preempted_req_ids or ())

@@ -70,12 +70,14 @@ class BlockRun:
 
     A save's ``guards[i]`` (when given) are the loads block ``i``'s context depends on whose outcome the
     scheduler did not know when it planned the save; the worker saves block ``i`` only if none failed.
+    ``group`` is the KV cache group whose blocks (and storage) the run moves (vLLM's hybrid allocator).
     """
 
     request_id: str
     hashes: tuple[BlockHash, ...]
     block_ids: tuple[int, ...]
     guards: tuple[frozenset[Root], ...] = ()
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ class StepPlan:
 
     ``step`` numbers the plan (loads are named by it, see :data:`~kvblocks.integrations.vllm.provenance.Root`);
     the worker may forget the outcomes of steps before ``oldest_pending``: no guard names them any more.
+    ``failed_requests`` (hybrid models, whose loads vLLM tracks per request) are requests awaiting a load that
+    none will run: the worker reports them failed.
     """
 
     loads: tuple[BlockRun, ...] = ()
@@ -92,6 +96,7 @@ class StepPlan:
     failed: tuple[int, ...] = ()
     step: int = 0
     oldest_pending: int = 0
+    failed_requests: tuple[str, ...] = ()
 
 
 class Scheduled(NamedTuple):

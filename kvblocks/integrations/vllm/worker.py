@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvblocks.errors import ConfigError
@@ -139,46 +139,102 @@ class ConnectorWorker:
     """A worker's loads and saves for each step's :class:`~kvblocks.integrations.vllm.planner.StepPlan` (see the
     module docstring). ``blocks`` is set once vLLM registers its KV tensors."""
 
-    def __init__(self, tier: StorageTier, *, reduce: Reduce | None = None, keep_steps: int = 256) -> None:
-        self.tier = tier
-        self.blocks: LayerBlocks | None = None
+    def __init__(
+        self,
+        tier: StorageTier | Sequence[StorageTier],
+        *,
+        reduce: Reduce | None = None,
+        keep_steps: int = 256,
+        per_request: bool = False,
+    ) -> None:
+        """``tier``: the storage tier, or one per KV cache group (vLLM's hybrid allocator), indexed like the
+        plans' :attr:`~kvblocks.integrations.vllm.planner.BlockRun.group`. ``per_request``: loads are vLLM's
+        asynchronous ones (hybrid models), whose outcomes it hears per request (:meth:`take_finished_loads`),
+        never as block ids (those are unique only within a group)."""
+        self.per_request = per_request
+        self.tiers: tuple[StorageTier, ...] = (tier,) if isinstance(tier, StorageTier) else tuple(tier)
+        if not self.tiers:
+            raise ConfigError("a connector worker needs at least one storage tier")
+        self.group_blocks: list[LayerBlocks | None] = [None] * len(self.tiers)
         self.stats = ConnectorStats()
         self.record = LoadRecord(keep_steps)
         self._reduce = reduce
         self._load_errors: set[int] = set()
         self._reported: dict[int, frozenset[int]] = {}
         self._withheld: list[tuple[str, BlockHash]] = []
+        self._loads_finished: set[str] = set()
+        self._loads_failed: set[str] = set()
+
+    @property
+    def tier(self) -> StorageTier:
+        """Group 0's storage tier (the only one of a single-group deployment)."""
+        return self.tiers[0]
+
+    @property
+    def blocks(self) -> LayerBlocks | None:
+        """Group 0's blocks (the only ones of a single-group deployment), once registered."""
+        return self.group_blocks[0]
+
+    @blocks.setter
+    def blocks(self, blocks: LayerBlocks | None) -> None:
+        self.group_blocks[0] = blocks
 
     def load(self, plan: StepPlan) -> None:
         """Run ``plan``'s loads; poison and record every block that did not arrive sound."""
         failed = list(plan.failed)
         arrived = []
+        hybrid = self.per_request
         for run in plan.loads:
             usable = 0
+            blocks = self.group_blocks[run.group] if 0 <= run.group < len(self.tiers) else None
             try:
-                if self.blocks is None:
-                    raise ConfigError("no KV caches registered")
-                usable = load_run(self.tier, self.blocks, run.hashes, run.block_ids)
+                if blocks is None:
+                    raise ConfigError(f"no KV caches registered for group {run.group}")
+                usable = load_run(self.tiers[run.group], blocks, run.hashes, run.block_ids)
             except Exception as error:  # every block of the run is recomputed
                 self.stats.note_error(f"load: {error!r}")
                 _log.exception("kvblocks connector: loading %d blocks failed", len(run.block_ids))
             self.stats.load_blocks += usable
             arrived.append(usable)
-            failed.extend(run.block_ids[usable:])
-        self.stats.load_failed_blocks += len(failed)
+            lost = run.block_ids[usable:]
+            if hybrid:  # vLLM hears per request (its block ids are unique only within a group)
+                self._loads_finished.add(run.request_id)
+                if lost:
+                    self._loads_failed.add(run.request_id)
+            else:
+                failed.extend(lost)
+            if lost:
+                self.stats.load_failed_blocks += len(lost)
+                if hybrid:  # vLLM frees them unread, and may hand them to a request that fills them in part
+                    self._clear(blocks, list(lost))
+                else:
+                    self._poison(blocks, list(lost))
+        self._loads_finished.update(plan.failed_requests)
+        self._loads_failed.update(plan.failed_requests)
+        if plan.failed:
+            self.stats.load_failed_blocks += len(plan.failed)
+            self._poison(self.blocks, list(plan.failed))
         if failed:
-            self._poison(failed)
             self._load_errors.update(failed)
-        if plan.loads or plan.failed:
+        if (plan.loads or plan.failed) and not hybrid:
             self.record.note(plan.step, arrived)
             self._reported[plan.step] = frozenset(failed)
         self.record.forget_before(plan.oldest_pending)
 
-    def _poison(self, block_ids: list[int]) -> None:
-        if self.blocks is None:
+    def _clear(self, blocks: LayerBlocks | None, block_ids: list[int]) -> None:
+        if blocks is None:
             return
         try:
-            self.blocks.poison(block_ids)
+            blocks.zero(block_ids)
+        except Exception as error:  # ids out of range: a plan that went wrong
+            self.stats.note_error(f"zero: {error!r}")
+            _log.exception("kvblocks connector: clearing %d failed blocks failed", len(block_ids))
+
+    def _poison(self, blocks: LayerBlocks | None, block_ids: list[int]) -> None:
+        if blocks is None:
+            return
+        try:
+            blocks.poison(block_ids)
         except Exception as error:  # ids out of range: a plan that went wrong; vLLM recomputes them anyway
             self.stats.note_error(f"poison: {error!r}")
             _log.exception("kvblocks connector: poisoning %d failed blocks failed", len(block_ids))
@@ -186,8 +242,6 @@ class ConnectorWorker:
     def save(self, plan: StepPlan) -> None:
         """Copy ``plan``'s saves out of the KV tensors and queue them, withholding every block whose guard names a
         failed load (and the rest of its run: their contexts contain it too)."""
-        if self.blocks is None:
-            return
         guards = [roots for run in plan.saves for roots in run.guards]
         failed = self.record.failed_roots((r for roots in guards for r in roots), self._reduce) if guards else set()
         for run in plan.saves:
@@ -197,10 +251,11 @@ class ConnectorWorker:
             if keep < len(run.block_ids):
                 self.stats.save_withheld_blocks += len(run.block_ids) - keep
                 self._withheld.extend((run.request_id, h) for h in run.hashes[keep:])
-            if not keep:
+            blocks = self.group_blocks[run.group] if 0 <= run.group < len(self.tiers) else None
+            if not keep or blocks is None:
                 continue
             try:
-                save_run(self.tier, self.blocks, run.hashes[:keep], run.block_ids[:keep])
+                save_run(self.tiers[run.group], blocks, run.hashes[:keep], run.block_ids[:keep])
                 self.stats.save_blocks += keep
             except Exception as error:  # a save that fails is a future miss
                 self.stats.save_failed_blocks += keep
@@ -214,15 +269,22 @@ class ConnectorWorker:
 
     def counters(self) -> dict[str, int]:
         """Every counter the connector publishes (:data:`COUNTERS`), cumulative."""
-        tier, writer = self.tier.stats, self.tier.writer.stats
+        tiers = self.tiers
         return {
             **self.stats.counters(),
-            "loads_missing": tier.loads_missing,
-            "loads_corrupt": tier.loads_corrupt,
-            "loads_wrong_key": tier.loads_wrong_key,
-            "writes_dropped": writer.dropped,
-            "write_errors": writer.failed,
+            "loads_missing": sum(t.stats.loads_missing for t in tiers),
+            "loads_corrupt": sum(t.stats.loads_corrupt for t in tiers),
+            "loads_wrong_key": sum(t.stats.loads_wrong_key for t in tiers),
+            "writes_dropped": sum(t.writer.stats.dropped for t in tiers),
+            "write_errors": sum(t.writer.stats.failed for t in tiers),
         }
+
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """The requests whose loads ran since the last call, and of those the ones whose load failed (hybrid
+        models: vLLM hears of loads per request, as ``finished_recving`` / ``failed_recving``)."""
+        finished, failed = self._loads_finished, self._loads_failed
+        self._loads_finished, self._loads_failed = set(), set()
+        return finished, failed
 
     def report(self) -> WorkerReport | None:
         """What the scheduler side must hear since the last report (None: nothing)."""

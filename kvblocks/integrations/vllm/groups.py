@@ -37,7 +37,8 @@ _KINDS = {
     "ChunkedLocalAttentionSpec": "chunked_local",
 }
 """vLLM's attention spec classes the connector stores, and kvblocks' kind for each (by exact class name:
-a subclass such as MLA's spec lays its KV out differently and is refused until it is described)."""
+a subclass such as MLA's spec lays its KV out differently and is refused until it is described). A
+``FullAttentionSpec`` with a window (a sliding-window model with HMA off) is stored as full attention."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,8 @@ def _kind_of(number: int, spec: Any) -> tuple[str, int | None]:
             f"KV cache group {number} is {name}{what}"
         )
     if kind == "full":
-        if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
-            raise ConfigError(f"KV cache group {number}: a FullAttentionSpec with a window is not one kvblocks stores")
+        # A windowed model without HMA: vLLM keeps every block (full-attention memory) and attends to a window.
+        # Every block is stored and a hit needs all of them, as for full attention: more than the window needs.
         return kind, None
     if kind == "sliding_window":
         return kind, int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)

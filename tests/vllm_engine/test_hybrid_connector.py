@@ -163,3 +163,12 @@ def test_an_all_sliding_window_model_keeps_its_window_group_and_loads_only_the_w
     assert b["connector"]["worker"]["load_blocks"] == WINDOW_BLOCKS * len(PROMPTS)
     _same_outputs(a, baseline)
     _same_outputs(b, baseline)
+
+
+def test_a_mamba_hybrid_model_is_refused_at_start_with_a_clear_error(tiny_jamba_dir: Path, tmp_path: Path) -> None:
+    """The connector stores no Mamba state yet: an engine with it refuses to start and says why (rather than
+    running with a group whose state it would silently never load)."""
+    with pytest.raises(AssertionError, match="exited"):
+        run_engine(tiny_jamba_dir, PROMPTS[:1], tmp_path, "jamba", kv_transfer_config=connector_config(tmp_path / "s"))
+    log = _log(tmp_path, "jamba")
+    assert "KV cache group 0 is MambaSpec (Mamba / linear-attention state is not stored yet)" in log

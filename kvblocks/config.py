@@ -47,6 +47,11 @@ class CacheConfig:
         _positive_int(self.block_size, "block_size")
         if not isinstance(self.hash_scheme, str) or self.hash_scheme not in HASH_SCHEMES:
             raise ConfigError(f"unknown hash scheme {self.hash_scheme!r}; known: {', '.join(sorted(HASH_SCHEMES))}")
+        if HASH_SCHEMES[self.hash_scheme].lookahead:
+            raise ConfigError(
+                f"hash scheme {self.hash_scheme!r} covers tokens past each block (it names blocks for routing); "
+                "a cache manager hashes a block once it is full"
+            )
         object.__setattr__(self, "namespace", Namespace.of(self.namespace))
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")

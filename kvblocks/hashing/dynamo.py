@@ -8,9 +8,11 @@ tokens, and its router chains them into *sequence* hashes::
     local_i  = xxh3_64(tokens_i as u32 LE || sorted mm hashes of block i as u64 LE, seed)
     seq_0    = local_0,   seq_i = xxh3_64(seq_{i-1} as u64 LE || local_i as u64 LE, seed=1337)
 
-The ``dynamo-xxh3-64`` scheme is that chain. :class:`~kvblocks.hashing.BlockExtras` maps onto it: ``lora`` is
-the adapter name, ``cache_salt`` the cache namespace, and each multimodal item's hash
-(:func:`mm_hash`) enters every block the item overlaps. Without extras it equals ``xxh3-64-1337``.
+The ``dynamo-xxh3-64`` scheme is that chain; ``dynamo-xxh3-64-eagle`` is Dynamo's ``is_eagle`` form, whose
+block ``i`` also covers the next block's first token (``local_i`` over tokens ``[i * bs, i * bs + bs + 1)``).
+:class:`~kvblocks.hashing.BlockExtras` maps onto both: ``lora`` is the adapter name, ``cache_salt`` the cache
+namespace, and each multimodal item's hash (:func:`mm_hash`) enters every block the item overlaps. Without
+extras ``dynamo-xxh3-64`` equals ``xxh3-64-1337``.
 Test vectors from Dynamo's own function: ``tests/data/dynamo_hash_vectors.json``
 (``tools/vectors/make_dynamo_hash_vectors.py``).
 """
@@ -74,15 +76,18 @@ def dynamo_local_hashes(
     *,
     seed: int = SEED,
     block_mm_hashes: Sequence[Sequence[int] | None] = (),
+    eagle: bool = False,
 ) -> list[int]:
     """Dynamo's ``compute_block_hash_for_seq``: one local hash per full block of ``tokens``, under ``seed``
-    (:func:`dynamo_seed`), block ``i`` also hashing ``block_mm_hashes[i]`` (its items' hashes, any order)."""
+    (:func:`dynamo_seed`), block ``i`` also hashing ``block_mm_hashes[i]`` (its items' hashes, any order).
+    With ``eagle`` (its ``is_eagle``) block ``i`` covers tokens ``[i * bs, i * bs + bs + 1)``."""
     if block_size < 1:
         raise ConfigError(f"block_size must be >= 1, got {block_size}")
     h64 = xxhash.xxh3_64_intdigest
+    reach = 1 if eagle else 0
     out = []
-    for i in range(len(tokens) // block_size):
-        data = struct.pack(f"<{block_size}I", *tokens[i * block_size : (i + 1) * block_size])
+    for i in range(max(0, len(tokens) - reach) // block_size):
+        data = struct.pack(f"<{block_size + reach}I", *tokens[i * block_size : (i + 1) * block_size + reach])
         mm = block_mm_hashes[i] if i < len(block_mm_hashes) else None
         if mm:
             data += b"".join(_U64.pack(h) for h in sorted(mm))

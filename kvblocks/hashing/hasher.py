@@ -35,7 +35,7 @@ class BlockHasher:
     2
     """
 
-    __slots__ = ("_block_dtype", "block_size", "namespace", "root", "scheme")
+    __slots__ = ("_block_dtype", "block_size", "lookahead", "namespace", "root", "scheme")
 
     def __init__(self, block_size: int, scheme: str = DEFAULT_SCHEME, namespace: str | Namespace = "default"):
         self.block_size = _check_index(block_size, "block_size", minimum=1)
@@ -43,6 +43,17 @@ class BlockHasher:
         self.namespace = Namespace.of(namespace)
         self.root = self.scheme.root(self.namespace, self.block_size)
         self._block_dtype = np.dtype(f"V{4 * self.block_size}")
+        self.lookahead = self.scheme.lookahead
+        """Tokens past a block its hash covers (the scheme's): block ``i`` is hashed once token
+        ``(i + 1) * block_size + lookahead - 1`` exists."""
+
+    def hashable_blocks(self, num_tokens: int) -> int:
+        """How many blocks of ``num_tokens`` tokens have a hash.
+
+        >>> BlockHasher(4).hashable_blocks(8), BlockHasher(4, scheme="dynamo-xxh3-64-eagle").hashable_blocks(8)
+        (2, 1)
+        """
+        return max(0, num_tokens - self.lookahead) // self.block_size
 
     def hash_packed(
         self,
@@ -57,11 +68,14 @@ class BlockHasher:
         if count <= 0:
             return []
         width = self.block_size
+        reach = self.lookahead
         if _BIG_ENDIAN:  # pragma: no cover - exercised only on big-endian hosts
-            tokens = array("I", tokens[start_block * width : stop_block * width])
+            tokens = array("I", tokens[start_block * width : stop_block * width + reach])
             tokens.byteswap()
             start_block, stop_block = 0, count
-        if count < _SMALL_RUN:
+        if reach:  # each block with the tokens past it that its hash covers
+            blocks = [tokens[i * width : (i + 1) * width + reach].tobytes() for i in range(start_block, stop_block)]
+        elif count < _SMALL_RUN:
             blocks = [tokens[i * width : (i + 1) * width].tobytes() for i in range(start_block, stop_block)]
         else:
             blocks = np.frombuffer(
@@ -73,7 +87,7 @@ class BlockHasher:
         """Chained hashes of every full block of ``token_ids``."""
         tokens = pack_tokens(token_ids)
         framer = self.scheme.make_framer(extras, self.block_size) if extras is not None else None
-        return self.hash_packed(tokens, 0, len(tokens) // self.block_size, self.root, framer)
+        return self.hash_packed(tokens, 0, self.hashable_blocks(len(tokens)), self.root, framer)
 
 
 class HashedTokens:
@@ -84,10 +98,12 @@ class HashedTokens:
     caller's token list is copied, so later changes to it have no effect here.
     """
 
-    __slots__ = ("_framer", "_hasher", "_tokens", "hashes", "num_tokens")
+    __slots__ = ("_framer", "_hasher", "_phase", "_size", "_tokens", "hashes", "num_tokens")
 
     def __init__(self, hasher: BlockHasher, token_ids: Iterable[int] = (), extras: BlockExtras | None = None):
         self._hasher = hasher
+        self._size = hasher.block_size  # the hasher's, kept here for append_token's test
+        self._phase = hasher.lookahead
         self._framer = hasher.scheme.make_framer(extras, hasher.block_size) if extras is not None else None
         self._tokens = pack_tokens(token_ids)  # a fresh array: the caller's list is never referenced
         self.hashes: list[BlockHash] = []
@@ -122,8 +138,8 @@ class HashedTokens:
         tokens = self._tokens
         tokens.append(token)
         n = self.num_tokens = len(tokens)
-        if n % self._hasher.block_size:
-            return 0  # no block newly full: nothing to hash
+        if (n - self._phase) % self._size:
+            return 0  # no block newly hashable: nothing to hash
         return self._hash_new_blocks()
 
     def truncate(self, num_tokens: int) -> None:
@@ -134,7 +150,7 @@ class HashedTokens:
         if not 0 <= num_tokens <= self.num_tokens:
             raise InvalidArgumentError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}")
         self._tokens = self._tokens[:num_tokens]
-        self.hashes = self.hashes[: num_tokens // self._hasher.block_size]
+        self.hashes = self.hashes[: self._hasher.hashable_blocks(num_tokens)]
         self.num_tokens = num_tokens
 
     def _hash_new_blocks(self) -> int:
@@ -142,7 +158,7 @@ class HashedTokens:
         self.num_tokens = len(tokens)
         hashes = self.hashes
         done = len(hashes)
-        full = self.num_tokens // self._hasher.block_size
+        full = self._hasher.hashable_blocks(self.num_tokens)
         if full == done:
             return 0
         parent = hashes[-1] if done else self._hasher.root

@@ -15,6 +15,10 @@
     The same chain with Dynamo's extras, bit for bit (:mod:`kvblocks.hashing.dynamo`): a LoRA adapter and a
     cache namespace (``BlockExtras.cache_salt``) move the local hashes' seed; multimodal items append their
     64-bit hashes to the blocks they overlap. Equal to ``xxh3-64-1337`` without extras.
+``dynamo-xxh3-64-eagle``
+    Dynamo's hashes for an EAGLE fleet (its ``is_eagle``): block ``i``'s local hash covers its tokens and the
+    first token of the next block, ``[i * bs, i * bs + bs + 1)``, so a block has a hash only once that token
+    exists (``(n - 1) // bs`` hashes for ``n`` tokens). For routing: a cache manager refuses it.
 ``vllm-sha256``, ``vllm-sha256-cbor``, ``vllm-xxhash``, ``vllm-xxhash-cbor``
     vLLM's own block hashes, bit for bit (:mod:`kvblocks.hashing.vllm`): its root and extra keys follow
     vLLM's rules, not the namespace framing and typed frames (:mod:`kvblocks.hashing.extras`).
@@ -120,6 +124,8 @@ class HashScheme:
 
     name: str = ""
     hash_type: type = bytes
+    lookahead: int = 0
+    """Tokens past its block that a block's hash also covers: a block is hashed once they exist (0: when full)."""
 
     def root(self, namespace: Namespace, block_size: int) -> BlockHash | None:
         raise NotImplementedError
@@ -235,6 +241,14 @@ class _DynamoXxh3x64(_Xxh3x64Standard):
         return out
 
 
+class _DynamoEagle(_DynamoXxh3x64):
+    """Dynamo's chain for EAGLE fleets: each block's local hash also covers the next block's first token
+    (``lookahead`` 1; the hasher hands :meth:`chain` ``block_size + 1`` tokens per block)."""
+
+    name = "dynamo-xxh3-64-eagle"
+    lookahead = 1
+
+
 _PAIR_U64 = struct.Struct("<QQ")
 
 HASH_SCHEMES: dict[str, HashScheme] = {
@@ -242,6 +256,7 @@ HASH_SCHEMES: dict[str, HashScheme] = {
     "sha256": _DigestChain("sha256", _sha256),
     "xxh3-64-1337": _Xxh3x64Standard(),
     "dynamo-xxh3-64": _DynamoXxh3x64(),
+    "dynamo-xxh3-64-eagle": _DynamoEagle(),
 }
 
 

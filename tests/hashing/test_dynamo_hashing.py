@@ -60,15 +60,51 @@ def test_the_vectors_cover_what_they_should() -> None:
 def test_local_hashes_equal_dynamos(case: dict) -> None:
     seed = dynamo_seed(case["lora_name"], case["cache_namespace"])
     got = dynamo_local_hashes(
-        case["tokens"], case["block_size"], seed=seed, block_mm_hashes=case.get("block_mm_hashes") or ()
+        case["tokens"],
+        case["block_size"],
+        seed=seed,
+        block_mm_hashes=case.get("block_mm_hashes") or (),
+        eagle=case.get("is_eagle", False),
     )
     assert got == case["local_hashes"]
 
 
+def _scheme(case: dict) -> str:
+    return "dynamo-xxh3-64-eagle" if case.get("is_eagle") else "dynamo-xxh3-64"
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_the_scheme_chains_dynamos_local_hashes(case: dict) -> None:
-    hasher = BlockHasher(case["block_size"], scheme="dynamo-xxh3-64")
+    hasher = BlockHasher(case["block_size"], scheme=_scheme(case))
     assert hasher.hash_tokens(case["tokens"], extras_of(case)) == chain(case["local_hashes"])
+    hashed = HashedTokens(hasher, case["tokens"][:1], extras_of(case))  # a decode, token by token
+    for token in case["tokens"][1:]:
+        hashed.append_token(token)
+    assert hashed.hashes == chain(case["local_hashes"])
+
+
+def test_eagle_vectors_hash_the_next_blocks_first_token_and_wait_for_it() -> None:
+    eagle = [c for c in CASES if c.get("is_eagle")]
+    assert len(eagle) >= 20 and {c["block_size"] for c in eagle} >= {1, 4, 16}
+    for case in eagle:
+        n, size = len(case["tokens"]), case["block_size"]
+        assert len(case["local_hashes"]) == max(0, n - 1) // size  # a block's hash needs the token after it
+    assert any(len(c["tokens"]) % c["block_size"] == 0 and c["tokens"] for c in eagle)  # a last block waiting
+
+
+def test_a_cache_manager_refuses_a_scheme_that_looks_past_its_blocks() -> None:
+    from kvblocks import CacheConfig
+
+    with pytest.raises(ConfigError, match="covers tokens past each block"):
+        CacheConfig(num_blocks=8, block_size=4, hash_scheme="dynamo-xxh3-64-eagle")
+
+
+def test_a_truncated_eagle_sequence_drops_the_hash_that_covered_the_removed_token() -> None:
+    hasher = BlockHasher(4, scheme="dynamo-xxh3-64-eagle")
+    hashed = HashedTokens(hasher, range(9))
+    assert len(hashed.hashes) == 2
+    hashed.truncate(8)
+    assert hashed.hashes == hasher.hash_tokens(range(8)) and len(hashed.hashes) == 1
 
 
 def test_without_extras_the_scheme_is_the_xxh3_64_standard() -> None:
@@ -86,11 +122,12 @@ def test_without_extras_the_scheme_is_the_xxh3_64_standard() -> None:
     lora=st.one_of(st.none(), st.text(min_size=1, max_size=8)),
     salt=st.one_of(st.none(), st.text(min_size=1, max_size=8)),
     image=st.one_of(st.none(), st.tuples(st.integers(0, 39), st.integers(1, 12), st.binary(min_size=1, max_size=8))),
+    scheme=st.sampled_from(["dynamo-xxh3-64", "dynamo-xxh3-64-eagle"]),
 )
-def test_hashing_piecewise_equals_hashing_at_once(tokens, cut, lora, salt, image) -> None:
+def test_hashing_piecewise_equals_hashing_at_once(tokens, cut, lora, salt, image, scheme) -> None:
     items = () if image is None else (MultimodalItem(image[2], offset=image[0], length=image[1]),)
     extras = BlockExtras(lora=lora, cache_salt=salt, mm_items=items)
-    hasher = BlockHasher(4, scheme="dynamo-xxh3-64")
+    hasher = BlockHasher(4, scheme=scheme)
     whole = HashedTokens(hasher, tokens, extras)
     pieces = HashedTokens(hasher, tokens[:cut], extras)
     pieces.extend(tokens[cut:])
@@ -139,3 +176,16 @@ def test_a_router_on_dynamos_hashes_keeps_adapters_apart() -> None:
         assert lease.worker == "lora-a" and lease.overlap_blocks == 8
     with router.route(prompt) as lease:
         assert lease.worker == "base" and lease.overlap_blocks == 8
+
+
+def test_a_router_on_dynamos_eagle_hashes_routes_to_the_worker_that_holds_them() -> None:
+    """Workers of an EAGLE fleet publish Dynamo's ``is_eagle`` hashes (vectors above); a router on the eagle
+    scheme matches them, and a router on the plain scheme matches nothing of them."""
+    prompt = list(range(200, 233))  # 33 tokens: 8 eagle blocks (the 8th covers token 32)
+    eagle = BlockHasher(4, scheme="dynamo-xxh3-64-eagle").hash_tokens(prompt[:21])  # a worker that saw 21 tokens
+    assert len(eagle) == 5
+    for scheme, expected in (("dynamo-xxh3-64-eagle", 5), ("dynamo-xxh3-64", 0)):
+        router = Router(["w0", "w1"], RouterConfig(block_size=4, hash_scheme=scheme))
+        router.apply_events("w1", [BlockStored(tuple(eagle), None, "device")])
+        with router.route(prompt) as lease:
+            assert lease.overlap_blocks == expected and (expected == 0 or lease.worker == "w1")

@@ -1,6 +1,7 @@
 """Block hash test vectors for kvblocks' ``dynamo-xxh3-64`` scheme, computed by Dynamo's own function.
 
-For each case (token ids, block size, LoRA adapter name, cache namespace, multimodal hashes per block) this
+For each case (token ids, block size, LoRA adapter name, cache namespace, multimodal hashes per block, and for
+the last cases ``is_eagle``) this
 calls ``dynamo._core.compute_block_hash_for_seq`` of ``ai-dynamo-runtime`` 1.6.1 and writes the inputs and the
 local block hashes it returns as JSON. The tests (``tests/hashing/test_dynamo_hashing.py``) read the file; they
 never need Dynamo.
@@ -66,6 +67,25 @@ def cases() -> list[dict[str, Any]]:
                     "block_mm_hashes": mm,
                 }
             )
+    # EAGLE fleets (``is_eagle``): each block's hash also covers the next block's first token
+    for block_size in (1, 4, 16):
+        for _ in range(8):
+            length = rng.choice(
+                [0, 1, block_size, block_size + 1, 3 * block_size, 3 * block_size + 1, 5 * block_size + 2]
+            )
+            tokens = [rng.randrange(1 << 32) if rng.random() < 0.1 else rng.randrange(200_000) for _ in range(length)]
+            blocks = max(0, length - 1) // block_size
+            mm = [None if rng.random() < 0.5 else [rng.getrandbits(64)] for _ in range(blocks)] if blocks else None
+            out.append(
+                {
+                    "tokens": tokens,
+                    "block_size": block_size,
+                    "lora_name": rng.choice([None, "adapter-a"]),
+                    "cache_namespace": rng.choice([None, "tenant-1"]),
+                    "block_mm_hashes": mm if rng.random() < 0.5 else None,
+                    "is_eagle": True,
+                }
+            )
     return out
 
 
@@ -82,6 +102,7 @@ def main(path: str) -> None:
             block_mm_infos=infos,
             lora_name=case["lora_name"],
             cache_namespace=case["cache_namespace"],
+            is_eagle=case.get("is_eagle", False),
         )
         vectors.append(case)
     document = {

@@ -84,6 +84,7 @@ class PrefixTree:
         "_root",
         "_stored",
         "_stored_range",
+        "_tokens_of",
         "block_size",
         "group",
         "group_kind",
@@ -132,6 +133,16 @@ class PrefixTree:
         self._removed = partial(removed_event, tier, group, group_kind)
         self.num_evicted = 0
         """Blocks evicted since construction (a counter, never reset)."""
+        self._tokens_of: list[bytes | None] | None = None  # per block, its token ids (keep_token_ids)
+
+    def keep_token_ids(self) -> None:
+        """Keep each cached block's token ids (as ``array('I')`` bytes), so that :meth:`evict` can name them
+        with its parent's hash: a host tier that publishes events writes evicted blocks back as chains, as
+        SGLang publishes host pages. About ``4 * block_size`` bytes per cached block; needs ``block_size``."""
+        if self.block_size is None:
+            raise InvalidArgumentError("a tree keeps token ids only with a block_size")
+        if self._tokens_of is None:
+            self._tokens_of = [None] * self.pool.num_blocks
 
     # ------------------------------------------------------------------ queries
 
@@ -304,6 +315,9 @@ class PrefixTree:
         except (IndexError, TypeError):  # also what a bad block id raises
             self._unlink(hashes, blocks, first_new, i)
             raise self._insert_problem(hashes, blocks, first_new, max(i, first_new)) from None
+        tokens_of = self._tokens_of
+        if tokens_of is not None:
+            self._keep_tokens(tokens_of, tokens, blocks, first_new, stop)
         if self._events is not None:
             lora = lora_name if lora_id is None else (lora_name, lora_id)
             if stable:
@@ -316,6 +330,22 @@ class PrefixTree:
                 token_ids = token_ids.tobytes()
             self._events.record(self._stored, hashes[first_new:stop], parent_hash, token_ids, lora)
         return existing
+
+    def _keep_tokens(
+        self, tokens_of: list[bytes | None], tokens: Sequence[int] | None, blocks: Sequence[int], first: int, stop: int
+    ) -> None:
+        """Note the token ids of the blocks just inserted at positions ``[first, stop)`` (None where not given)."""
+        if tokens is None:
+            for position in range(first, stop):
+                tokens_of[blocks[position]] = None
+            return
+        size: int = self.block_size  # type: ignore[assignment]  # keep_token_ids needs it
+        whole = type(tokens) is array and tokens.typecode == "I"  # the sequence's own array: slice it as is
+        packed: array[int] = tokens if whole else array("I", tokens[first * size : stop * size])  # type: ignore[assignment]
+        base = 0 if whole else first
+        for position in range(first, stop):
+            offset = (position - base) * size
+            tokens_of[blocks[position]] = packed[offset : offset + size].tobytes()
 
     def _unlink(self, hashes: Sequence[BlockHash], blocks: Sequence[int], first: int, stop: int) -> None:
         """Undo the links an aborted insert made for positions ``first..stop-1`` (leaves, newest first)."""
@@ -342,14 +372,21 @@ class PrefixTree:
 
     # ------------------------------------------------------------------ eviction
 
-    def evict(self, count: int, removed_hashes: list[BlockHash] | None = None) -> list[int]:
+    def evict(
+        self,
+        count: int,
+        removed_hashes: list[BlockHash] | None = None,
+        removed_chains: list[tuple[BlockHash | None, bytes | None]] | None = None,
+    ) -> list[int]:
         """Evict up to ``count`` idle leaves, in the pool's eviction order; return their ids.
 
         The pool's :class:`~kvblocks.core.eviction.EvictionPolicy` chooses (LRU: least recently released
         first); an interior block it offers is kept until it becomes a leaf. The returned blocks are
         FRESH in the pool (at the back of its fresh queue). Fewer than ``count`` come back only when
         no idle block is left. Emits one ``BlockRemoved`` for the batch. With ``removed_hashes``, the
-        evicted blocks' hashes are appended to it, in the same order (a lower tier writes them back).
+        evicted blocks' hashes are appended to it, in the same order (a lower tier writes them back); with
+        ``removed_chains``, each one's parent hash (None: a chain's first block) and token ids (bytes of an
+        ``array('I')``, or None unless :meth:`keep_token_ids`).
         """
         if type(count) is not int or count < 0:
             raise InvalidArgumentError(f"cannot evict {count!r} blocks")
@@ -362,12 +399,22 @@ class PrefixTree:
         removed = removed_hashes
         if removed is None and self._events is not None:
             removed = []
+        if removed_chains is not None:  # before any is unlinked: a parent follows its last child in the batch
+            root, parent_of, tokens_of = self._root, self._parent_of, self._tokens_of
+            for b in evicted:
+                parent = parent_of[b]
+                removed_chains.append(
+                    (None if parent == root else hash_of[parent], None if tokens_of is None else tokens_of[b])
+                )
         for b in evicted:
             h = hash_of[b]
             del block_of[h]  # type: ignore[arg-type]
             hash_of[b] = None
             if removed is not None:
                 removed.append(h)  # type: ignore[arg-type]
+        if self._tokens_of is not None:
+            for b in evicted:
+                self._tokens_of[b] = None
         pool._fresh.extend(evicted)
         self.num_evicted += len(evicted)
         if evicted and self._events is not None:
@@ -388,9 +435,12 @@ class PrefixTree:
             raise SequenceStateError(f"cannot clear the {self.tier} cache: {in_use} cached blocks are in use")
         pool = self.pool
         dropped = list(pool.idle_order())
+        tokens_of = self._tokens_of
         for b in dropped:
             self._num_children[b] = 0
             pool.evict(b)
+            if tokens_of is not None:
+                tokens_of[b] = None
         self._num_children[self._root] = 0
         self._block_of.clear()
         self.num_evicted += len(dropped)

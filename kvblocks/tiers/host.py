@@ -19,19 +19,29 @@ With an event sink, the tier's changes become ``tier="host"`` events: a complete
 ``BlockStored``, an evicted entry a ``BlockRemoved``. They are noted as they happen and emitted,
 in order and batched into runs of one kind, by :meth:`HostTier.publish`, which the manager calls
 at the end of each call that changed the tier (so one write-back of many blocks is one event).
-The index is flat, so a ``BlockStored`` here names a batch of hashes, not a chain, and its
-``parent_hash`` is None (as vLLM's CPU offloading events do).
+Where the write knew its block's chain -- the parent's hash and the token ids, which the full-attention
+group's prefix tree hands over when the tier emits events (:meth:`PrefixTree.keep_token_ids`) -- the
+blocks of one batch are emitted as chains, as SGLang publishes host pages: each ``BlockStored`` a run of
+blocks each extending the one before, with its first block's ``parent_hash`` and the run's token ids, so a
+consumer can chain it onto what it knows::
+
+    a write-back evicts h3, h2 (children first)   ->  BlockStored((h2, h3), parent_hash=h1, token_ids=...)
+
+Blocks written without their chain (a local group's, whose index is flat) go out as one batch with
+``parent_hash`` None (as vLLM's CPU offloading events do).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
+from functools import partial
 
 from kvblocks.core.eviction import DEFAULT_EVICTION
 from kvblocks.core.pool import BlockPool
 from kvblocks.errors import IntegrityError, InvalidArgumentError
-from kvblocks.event_codec import AllBlocksCleared, BlockRemoved, BlockStored, is_group_tag
-from kvblocks.events import EventSink, record_changes
+from kvblocks.event_codec import AllBlocksCleared, BlockRemoved, BlockStored, is_group_tag, removed_event, stored_event
+from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash
 from kvblocks.tiers.protocol import SLOT
 
@@ -73,6 +83,8 @@ class HostTier:
         self.block_size = block_size
         # Changes not yet emitted, as runs of (stored?, hashes); None without a sink (nothing is noted).
         self._log: list[tuple[bool, list[BlockHash]]] | None = None if events is None else []
+        # Each entry's chain where its write knew it: hash -> (parent hash, token ids as array('I') bytes).
+        self._chains: dict[BlockHash, tuple[BlockHash | None, bytes | None]] | None = None if events is None else {}
 
     @property
     def events(self) -> EventSink | None:
@@ -91,21 +103,70 @@ class HostTier:
             log.append((stored, [block_hash]))
 
     def publish(self) -> None:
-        """Emit the changes noted since the last call, in order, one event per run of one kind."""
+        """Emit the changes noted since the last call, in order: each stored batch as its chains (see the module
+        docstring), each removed one as one event."""
         log = self._log
         if not log:
             return
         self._log = []
         sink: EventSink = self._events  # type: ignore[assignment]  # a log exists only with a sink
-        record_changes(sink, log, "host", self.group, self.group_kind, self.block_size)
+        stored = partial(stored_event, "host", self.group, self.group_kind, self.block_size)
+        removed = partial(removed_event, "host", self.group, self.group_kind)
+        for is_stored, hashes in log:
+            if not is_stored:
+                sink.record(removed, hashes)
+                continue
+            for run, parent, tokens in self._chained(hashes):
+                sink.record(stored, run, parent, tokens, None)
+
+    def _chained(self, hashes: Sequence[BlockHash]) -> list[tuple[list[BlockHash], BlockHash | None, bytes | None]]:
+        """``hashes`` as runs of chained blocks, each with its first block's parent and the run's token ids (None
+        unless every block's are known); the blocks of no known chain together, as one run without a parent."""
+        chains = self._chains or {}
+        loose: list[BlockHash] = []
+        known: dict[BlockHash, tuple[BlockHash | None, bytes | None]] = {}
+        for h in hashes:
+            facts = chains.get(h)
+            if facts is None:
+                loose.append(h)
+            else:
+                known[h] = facts
+        child_of: dict[BlockHash, BlockHash] = {}
+        for h, (parent, _) in known.items():
+            if parent is not None and parent in known and parent not in child_of:
+                child_of[parent] = h
+        chained = set(child_of.values())
+        runs: list[tuple[list[BlockHash], BlockHash | None, bytes | None]] = []
+        for h in known:
+            if h in chained:
+                continue  # reached from the start of its run
+            run = [h]
+            while run[-1] in child_of:
+                run.append(child_of[run[-1]])
+            parts = [known[b][1] for b in run]
+            tokens = b"".join(parts) if all(p is not None for p in parts) else None  # type: ignore[arg-type]
+            runs.append((run, known[h][0], tokens))
+        if loose:
+            runs.append((loose, None, None))
+        return runs
 
     def snapshot_events(self) -> list[BlockStored]:
-        """The ready entries as one ``BlockStored`` (none when empty), tagged as this tier's events. Pure."""
-        hashes = tuple(self._block_of)
+        """The ready entries as ``BlockStored`` events, chained where known (none when empty), tagged as this
+        tier's events. Pure."""
+        hashes = list(self._block_of)
         if not hashes:
             return []
         return [
-            BlockStored(hashes, None, "host", group=self.group, group_kind=self.group_kind, block_size=self.block_size)
+            BlockStored(
+                tuple(run),
+                parent,
+                "host",
+                None if tokens is None else array("I", tokens),
+                group=self.group,
+                group_kind=self.group_kind,
+                block_size=self.block_size,
+            )
+            for run, parent, tokens in self._chained(hashes)
         ]
 
     def __len__(self) -> int:
@@ -154,13 +215,16 @@ class HostTier:
         if b is not None and b in pool._idle:
             pool._policy.touch(b)
 
-    def reserve(self, block_hash: BlockHash) -> tuple[int, BlockHash | None] | None:
+    def reserve(
+        self, block_hash: BlockHash, parent: BlockHash | None = None, tokens: bytes | None = None
+    ) -> tuple[int, BlockHash | None] | None:
         """A block to copy ``block_hash`` into, pending until :meth:`complete`; None when every block is held.
 
         Takes a fresh block, else evicts the idle block the pool's eviction policy chooses (LRU: the least
         recently used). Returns
         ``(block, evicted_hash)``: a lower tier may want the evicted content, which
-        stays in the block until the copy into it runs.
+        stays in the block until the copy into it runs. ``parent`` / ``tokens`` (the block's chain) go into
+        this tier's ``BlockStored`` when it emits events.
         """
         if block_hash in self._block_of or block_hash in self._pending:
             raise InvalidArgumentError("the host tier already holds or is receiving this block")
@@ -176,10 +240,13 @@ class HostTier:
             self.num_evicted += 1
             if self._log is not None:
                 self._note(False, evicted)  # type: ignore[arg-type]
+                self._chains.pop(evicted, None)  # type: ignore[union-attr, arg-type]
         else:
             return None
         pool._ref[block] = 1
         self._pending[block_hash] = block
+        if self._chains is not None and (parent is not None or tokens is not None):
+            self._chains[block_hash] = (parent, tokens)
         return block, evicted
 
     def complete(self, block_hash: BlockHash, block: int, ok: bool) -> None:
@@ -192,6 +259,8 @@ class HostTier:
             self.pool._key[block] = block_hash
             if self._log is not None:
                 self._note(True, block_hash)
+        elif self._chains is not None:
+            self._chains.pop(block_hash, None)
         self.pool._release_valid((block,))
 
     def clear(self) -> None:
@@ -207,6 +276,8 @@ class HostTier:
             del self._block_of[block_hash]
             pool.evict(b)
             dropped.append(block_hash)
+            if self._chains is not None:
+                self._chains.pop(block_hash, None)
         if self._log is None:
             return
         self.publish()

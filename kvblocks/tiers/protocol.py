@@ -86,8 +86,12 @@ class SlotTier(Tier, Protocol):
     def touch(self, key: BlockHash) -> None:
         """Mark a ready, idle entry recently used (its device copy was just evicted)."""
 
-    def reserve(self, key: BlockHash) -> tuple[int, BlockHash | None] | None:
-        """A block to copy ``key`` into (and the key evicted to make room); None when every block is held."""
+    def reserve(
+        self, key: BlockHash, parent: BlockHash | None = None, tokens: bytes | None = None
+    ) -> tuple[int, BlockHash | None] | None:
+        """A block to copy ``key`` into (and the key evicted to make room); None when every block is held.
+        ``parent`` / ``tokens`` (the block's chain: its parent's hash, its token ids as ``array('I')`` bytes)
+        are given, where known, to a tier that emits events, for its ``BlockStored``."""
 
     def complete(self, key: BlockHash, block: int, ok: bool) -> None:
         """The copy into a reserved block finished (``ok``) or failed."""

@@ -14,6 +14,7 @@ the stack never moves data and never waits.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -127,17 +128,23 @@ class TierStack:
             index.evict(count)
             return
         hashes: list[BlockHash] = []
-        evicted = index.evict(count, hashes)
+        host = self.host
+        chains: list[tuple[BlockHash | None, bytes | None]] | None = None
+        if host is not None and host.events is not None:  # its events name each block's parent and tokens
+            chains = []
+            evicted = index.evict(count, hashes, chains)
+        else:
+            evicted = index.evict(count, hashes)
         if not evicted:
             return
-        host = self.host
-        for block, block_hash in zip(evicted, hashes, strict=True):
+        for i, (block, block_hash) in enumerate(zip(evicted, hashes, strict=True)):
             if host is not None:
                 if block_hash in host:
                     host.touch(block_hash)
                     continue
                 if self.host_back:
-                    if self.copy_to_host(block, block_hash):
+                    parent, tokens = chains[i] if chains is not None else (None, None)
+                    if self.copy_to_host(block, block_hash, parent, tokens):
                         continue
                     self.counts.write_backs_without_host_room += 1
             if self.save_back:
@@ -146,27 +153,47 @@ class TierStack:
             self.publish()
 
     def written(
-        self, block_of: Callable[[BlockHash], int | None], keys: Sequence[BlockHash], start: int, stop: int
+        self,
+        block_of: Callable[[BlockHash], int | None],
+        keys: Sequence[BlockHash],
+        start: int,
+        stop: int,
+        tokens: Sequence[int] | None = None,
     ) -> None:
-        """Write-through: positions ``[start, stop)`` were just committed; copy their cached blocks down."""
+        """Write-through: positions ``[start, stop)`` were just committed; copy their cached blocks down.
+        ``tokens`` (the sequence's, from its first) go into the host tier's events with each block's parent."""
         host = self.host
+        size = getattr(host, "block_size", None) if host is not None and host.events is not None else None
         for position in range(start, stop):
             block_hash = keys[position]
             block = block_of(block_hash)
             if block is None:
                 continue
             absent = self.host_through and host is not None and block_hash not in host
-            if absent and not self.copy_to_host(block, block_hash):
+            if not absent:
+                pass
+            elif size is not None:
+                parent = keys[position - 1] if position else None
+                if not self.copy_to_host(block, block_hash, parent, _block_tokens(tokens, position, size)):
+                    self.counts.write_backs_without_host_room += 1
+            elif not self.copy_to_host(block, block_hash):
                 self.counts.write_backs_without_host_room += 1
             if self.save_through:
                 self.plan_save("device", block, block_hash)
         if self.events:
             self.publish()
 
-    def copy_to_host(self, block: int, block_hash: BlockHash) -> bool:
-        """Plan a swap-out of device ``block`` into a host block (an evicted host entry is saved first)."""
+    def copy_to_host(
+        self, block: int, block_hash: BlockHash, parent: BlockHash | None = None, tokens: bytes | None = None
+    ) -> bool:
+        """Plan a swap-out of device ``block`` into a host block (an evicted host entry is saved first);
+        ``parent`` / ``tokens`` name its chain in the host tier's events."""
         host = self.host
-        reserved = host.reserve(block_hash) if host is not None else None
+        if host is None:
+            return False
+        reserved = (
+            host.reserve(block_hash) if parent is None and tokens is None else host.reserve(block_hash, parent, tokens)
+        )
         if reserved is None:
             return False
         host_block, evicted = reserved
@@ -197,6 +224,14 @@ class TierStack:
     def snapshot_events(self) -> list[BlockStored]:
         """What the group's tiers hold, as events, top tier first. Pure."""
         return [event for tier in self.tiers for event in tier.snapshot_events()]
+
+
+def _block_tokens(tokens: Sequence[int] | None, position: int, size: int) -> bytes | None:
+    """Block ``position``'s tokens of a sequence's ``tokens`` as ``array('I')`` bytes (None if they fall short)."""
+    if tokens is None or len(tokens) < (position + 1) * size:
+        return None
+    part = tokens[position * size : (position + 1) * size]
+    return part.tobytes() if type(part) is array else array("I", part).tobytes()
 
 
 def tier_stacks(

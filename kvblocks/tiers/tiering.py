@@ -115,6 +115,9 @@ class Tiering:
         if not any(stack.tiers for stack in tiering.stacks):
             return None
         groups.full.tiers = tiering.stacks[0]
+        host = tiering.stacks[0].host
+        if host is not None and host.events is not None:  # its events chain written-back blocks, with tokens
+            groups.full.tree.keep_token_ids()
         for local, stack in zip(groups.locals, tiering.stacks[1:], strict=True):
             local.tiers = stack
         return tiering

@@ -41,10 +41,14 @@ class Shadow:
     """Per (tier, group tag): the set of hashes the events say are there. Strict: an event that stores a
     hash already there, or removes one that is not, is an extra event and fails the test."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, chains_seen: bool = True) -> None:
+        """``chains_seen``: every host block's chain came in a device event first (a consumer from the start;
+        one that joins with a snapshot checks the chains it knows)."""
+        self.chains_seen = chains_seen
         self.sets: dict[tuple[str, _Tag], set[BlockHash]] = {}
         self.threads: set[int] = set()
         self.events: list[KVEvent] = []
+        self.chains: dict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = {}  # from device events
 
     def of(self, tier: str, tag: _Tag = (None, None)) -> set[BlockHash]:
         return self.sets.get((tier, tag), set())
@@ -60,7 +64,22 @@ class Shadow:
             again = held.intersection(event.block_hashes)
             assert not again, f"{event.tier}: stored again {again}"
             assert len(set(event.block_hashes)) == len(event.block_hashes)
-            if event.tier != "device":  # flat tiers: a batch, no chain parent; the block size is said
+            links = [
+                (h, event.parent_hash if i == 0 else event.block_hashes[i - 1])
+                for i, h in enumerate(event.block_hashes)
+            ]
+            tokens = None if event.token_ids is None else tuple(event.token_ids)
+            if event.tier == "device" and tokens is not None:
+                for i, (h, parent) in enumerate(links):
+                    self.chains[h] = (parent, tokens[i * B : (i + 1) * B])
+            elif event.tier == "host" and tokens is None:  # a local group's blocks: a batch, no chain
+                assert event.parent_hash is None and event.block_size == B
+            elif event.tier == "host":  # a written-back run names its chain, as the device said it
+                assert event.block_size == B
+                for i, (h, parent) in enumerate(links):
+                    if self.chains_seen or h in self.chains:
+                        assert self.chains[h] == (parent, tokens[i * B : (i + 1) * B])
+            elif event.tier != "device":  # storage: a batch, no chain parent; the block size is said
                 assert event.parent_hash is None and event.block_size == B
             held.update(event.block_hashes)
         elif isinstance(event, BlockRemoved):
@@ -250,7 +269,7 @@ class TierEventsMachine(RuleBasedStateMachine):
         storage.publish()  # this thread drives the manager: what the threads learnt since, emitted now
         assert shadow.of("storage") == stored_hashes(m)
         assert set(shadow.sets) <= {("device", (None, None)), ("host", (None, None)), ("storage", (None, None))}
-        fresh = Shadow()  # a consumer that joins now: the snapshot alone rebuilds every tier
+        fresh = Shadow(chains_seen=False)  # a consumer that joins now: the snapshot alone rebuilds every tier
         for event in m.snapshot_events():
             fresh.apply(event)
         for tier in ("device", "host", "storage"):
@@ -467,7 +486,7 @@ def test_hybrid_tier_events_are_tagged_per_group_and_the_router_follows_the_full
         blind.apply_events("w", [replace(e, group=None, group_kind=None) for e in shadow.events])
         assert blind.overlaps(a)["w"] > expected
         # the snapshot carries every group's tiers, tagged, and resyncs the router to the same view
-        snapshot = Shadow()
+        snapshot = Shadow(chains_seen=False)
         for event in m.snapshot_events():
             snapshot.apply(event)
         assert snapshot.sets == {k: v for k, v in shadow.sets.items() if v or k in snapshot.sets}
@@ -516,3 +535,31 @@ def test_hybrid_tier_events_rebuild_every_groups_tiers(requests: list[tuple[int,
                 assert shadow.of("storage", (group, kind)) == set(storage.known_hashes())
             assert shadow.of("device", (0, "full")) == device_hashes(m)
             assert shadow.threads <= {threading.get_ident()}
+
+
+def test_host_events_chain_written_back_blocks_with_their_parent_and_tokens() -> None:
+    """As SGLang publishes host pages: a write-back evicts a chain children first, and the host tier's
+    ``BlockStored`` names it parent first, with the parent of its first block and every block's token ids; a
+    write-through copies blocks as they are committed, each run chained onto the block before it."""
+    for policy in ("write-back", "write-through"):
+        sink = EventSink()
+        events: list[KVEvent] = []
+        sink.subscribe(lambda record, events=events: events.append(record.event))
+        tiers = TierConfig(num_host_blocks=8, host_policy=policy)
+        with TieredKVCacheManager(5, B, tiers=tiers, event_sink=sink) as m:
+            m.add_sequence("a", A)
+            m.allocate("a", 17)
+            m.commit("a", 8)  # blocks 0, 1
+            m.complete_transfers(m.take_transfers())  # write-through: their copies land now
+            m.commit("a", 17)  # blocks 2, 3
+            chain = list(m.block_hashes("a"))
+            m.free("a")
+            m.add_sequence("b", OTHER)
+            m.allocate("b", 17)  # takes every device block: a's 4 go down
+            m.complete_transfers(m.take_transfers())  # the copies land: the host entries are ready
+        host = [e for e in events if isinstance(e, BlockStored) and e.tier == "host"]
+        runs = [(list(e.block_hashes), e.parent_hash, list(e.token_ids or ())) for e in host]
+        if policy == "write-back":
+            assert runs == [(chain, None, A[:16])]
+        else:
+            assert runs == [(chain[:2], None, A[:8]), (chain[2:], chain[1], A[8:16])]

@@ -243,9 +243,15 @@ class FlatBlockIndex:
                 stack.extend(k for k in reversed(kids) if k in left)
         return out
 
-    def evict(self, count: int, removed_hashes: list[BlockHash] | None = None) -> list[int]:
+    def evict(
+        self,
+        count: int,
+        removed_hashes: list[BlockHash] | None = None,
+        removed_chains: list[tuple[BlockHash | None, bytes | None]] | None = None,
+    ) -> list[int]:
         """Evict up to ``count`` idle blocks in the pool's eviction order (LRU: least recently released first);
-        they become fresh. Returns them."""
+        they become fresh. Returns them. ``removed_hashes`` / ``removed_chains`` as the prefix tree's: this
+        index keeps no chains, so each chain is ``(None, None)``."""
         if type(count) is not int or count < 0:
             raise InvalidArgumentError(f"cannot evict {count!r} blocks")
         pool = self.pool
@@ -267,6 +273,8 @@ class FlatBlockIndex:
             if removed is not None:
                 removed.append(h)
         self.num_evicted += len(evicted)
+        if removed_chains is not None:
+            removed_chains.extend([(None, None)] * len(evicted))
         if evicted and self._events is not None:
             # our own list when the caller gave none (nobody changes it later), else the batch's part of theirs
             mine = removed if removed_hashes is None else removed[-len(evicted) :]  # type: ignore[index]

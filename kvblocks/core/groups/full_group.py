@@ -61,7 +61,8 @@ class FullAttentionGroup:
         tree = self.tree
         # The tree's events name the blocks' tokens (package-private). stable: a sequence's hashes and
         # tokens only grow (HashedTokens.truncate replaces them), so its events read them when built.
-        tokens = content._tokens if tree._events is not None and isinstance(content, HashedTokens) else None
+        keeps = tree._events is not None or tree._tokens_of is not None
+        tokens = content._tokens if keeps and isinstance(content, HashedTokens) else None
         table = s.table
         if table is None:  # pragma: no cover - the caller commits admitted sequences only
             raise IntegrityError("only an admitted sequence commits")
@@ -79,7 +80,7 @@ class FullAttentionGroup:
             s.pins = pins
         tiers = self.tiers
         if tiers is not None and tiers.writes_through:
-            tiers.written(tree.block_of, content.hashes, start, stop)
+            tiers.written(tree.block_of, content.hashes, start, stop, tokens)
 
     def idle_duplicates(self, s: _Sequence, start: int, stop: int) -> int:
         """Cached blocks that committing blocks ``[start, stop)`` of ``s`` would pin while they are idle.

@@ -23,7 +23,12 @@ DEVICE, HOST, STORED, REMOTE = 0, 1, 2, 3
 class EvictingIndex(Protocol):
     """A group's device index (the prefix tree, a flat index): it evicts idle blocks, naming their hashes."""
 
-    def evict(self, count: int, removed_hashes: list[BlockHash] | None = None) -> list[int]: ...
+    def evict(
+        self,
+        count: int,
+        removed_hashes: list[BlockHash] | None = None,
+        removed_chains: list[tuple[BlockHash | None, bytes | None]] | None = None,
+    ) -> list[int]: ...
 
 
 class GroupTiers(Protocol):
@@ -47,9 +52,14 @@ class GroupTiers(Protocol):
         ...
 
     def written(
-        self, block_of: Callable[[BlockHash], int | None], keys: Sequence[BlockHash], start: int, stop: int
+        self,
+        block_of: Callable[[BlockHash], int | None],
+        keys: Sequence[BlockHash],
+        start: int,
+        stop: int,
+        tokens: Sequence[int] | None = None,
     ) -> None:
-        """Positions ``[start, stop)`` were just committed (write-through)."""
+        """Positions ``[start, stop)`` were just committed (write-through); ``tokens``: the sequence's, if known."""
         ...
 
 

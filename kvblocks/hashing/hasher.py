@@ -158,7 +158,8 @@ class HashedTokens:
         self.num_tokens = len(tokens)
         hashes = self.hashes
         done = len(hashes)
-        full = self._hasher.hashable_blocks(self.num_tokens)
+        n, phase = self.num_tokens, self._phase
+        full = (n - phase) // self._size if n > phase else 0  # hashable_blocks, inline: once per extend
         if full == done:
             return 0
         parent = hashes[-1] if done else self._hasher.root

@@ -46,11 +46,15 @@ def run_step(
     may be sent again, e.g. after preempting another sequence). Bad input anywhere in the batch
     raises before anything changes. Same rules, same results as the per-sequence calls.
     """
+    if type(seq_ids) is not list and type(seq_ids) is not tuple:
+        seq_ids = list(seq_ids)  # indexed below
     count = len(seq_ids)
     commits = _column(num_computed_tokens, count, "num_computed_tokens", None)
     news = _column(num_new_tokens, count, "num_new_tokens", 1)
     drafts = _column(num_lookahead_tokens, count, "num_lookahead_tokens", 0)
     appends: Sequence[Iterable[int] | None] = (None,) * count if new_token_ids is None else new_token_ids
+    if type(appends) is not list and type(appends) is not tuple:
+        appends = list(appends)  # indexed below
     if len(appends) != count:
         raise InvalidArgumentError(f"new_token_ids has {len(appends)} entries for {count} sequences")
     seqs = manager._seqs
@@ -65,7 +69,8 @@ def run_step(
     hooked = manager._guards_changes
     # 1. validate every entry: nothing changes unless the whole batch is sound
     plan = []
-    for seq_id, s, n_arg, tokens, new_arg, k_arg in zip(seq_ids, batch, commits, appends, news, drafts):
+    for i in range(count):
+        seq_id, s, n_arg, tokens, new_arg, k_arg = seq_ids[i], batch[i], commits[i], appends[i], news[i], drafts[i]
         packed: Sequence[int] | int | None = None
         appended = 0
         if tokens is not None:

@@ -273,6 +273,24 @@ class PrefixTree:
                 f"insert range [{start}, {stop}) does not fit {len(hashes)} hashes and {len(blocks)} blocks"
             )
         block_of = self._block_of
+        if stop - start == 1 and start and self._events is None and self._tokens_of is None:
+            # A decode's commit: one block after a cached parent, nothing to emit. The checks of the loop below,
+            # in one pass; anything unusual takes the general path, which names the problem.
+            h = hashes[start]
+            b = blocks[start]
+            kind = type(h)
+            if (kind is bytes or kind is int) and type(b) is int and 0 <= b < self._root:
+                parent_block = block_of.get(hashes[start - 1])
+                if parent_block is not None:
+                    node = block_of.get(h)
+                    if node is not None:
+                        return [node]
+                    if self._hash_of[b] is None and self.pool._ref[b]:
+                        block_of[h] = b
+                        self._hash_of[b] = h
+                        self._parent_of[b] = parent_block
+                        self._num_children[parent_block] += 1
+                        return []
         parent = self._root
         if start > 0:
             parent_block = block_of.get(hashes[start - 1])

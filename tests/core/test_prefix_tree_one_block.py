@@ -1,0 +1,70 @@
+"""``PrefixTree.insert`` of one block after a cached parent (a decode's commit) takes a short path when the tree
+emits nothing: every outcome -- the blocks it returns, the error it raises, the tree it leaves -- must be the
+general path's, which a tree with an event sink always takes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvblocks.core.pool import BlockPool
+from kvblocks.core.prefix_tree import PrefixTree
+from kvblocks.events import EventSink
+
+N = 8
+CHAIN = [bytes([i]) * 16 for i in range(6)]
+
+
+def _tree(events: bool) -> tuple[PrefixTree, list[int]]:
+    pool = BlockPool(N)
+    tree = PrefixTree(pool, events=EventSink() if events else None, block_size=4)
+    blocks = pool.take_fresh(4)
+    tree.insert(CHAIN, blocks, 0, 3)  # blocks 0..2 cached under CHAIN[0..2]; block 3 held, not cached
+    return tree, blocks
+
+
+def _state(tree: PrefixTree) -> tuple[object, ...]:
+    return (dict(tree._block_of), list(tree._hash_of), list(tree._parent_of), list(tree._num_children))
+
+
+def _outcome(tree: PrefixTree, hashes: list[object], blocks: list[object], start: int) -> object:
+    try:
+        return ("ok", tree.insert(hashes, blocks, start, start + 1))  # type: ignore[arg-type]
+    except Exception as error:  # the class and the message must match
+        return (type(error).__name__, str(error))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    start=st.integers(1, 5),
+    block=st.one_of(st.integers(-2, N + 1), st.booleans(), st.just(2.0), st.none()),
+    hash_kind=st.sampled_from(["new", "cached", "parent-missing", "unhashable", "str"]),
+)
+def test_one_block_inserts_end_as_the_general_path_ends(start: int, block: object, hash_kind: str) -> None:
+    results = []
+    for events in (False, True):
+        tree, held = _tree(events)
+        hashes: list[object] = list(CHAIN)
+        if hash_kind == "cached":
+            hashes[start] = CHAIN[1]
+        elif hash_kind == "parent-missing":
+            hashes[start - 1] = b"\xee" * 16
+        elif hash_kind == "unhashable":
+            hashes[start] = [1, 2]
+        elif hash_kind == "str":
+            hashes[start] = "h"
+        blocks: list[object] = [*held, 4, 5][: len(hashes)]
+        blocks[start] = block
+        results.append((_outcome(tree, hashes, blocks, start), _state(tree)))
+        tree.check_integrity()
+    assert results[0] == results[1]
+
+
+def test_a_decode_commit_links_the_block_under_its_parent() -> None:
+    tree, held = _tree(False)
+    assert tree.insert(CHAIN, held, 3, 4) == []
+    assert tree.match(CHAIN).block_ids == tuple(held)
+    assert tree.insert(CHAIN, [9, 9, 9, 5], 3, 4) == [held[3]]  # cached already: the cached block comes back
+    with pytest.raises(Exception, match="not cached"):
+        tree.insert([b"\xee" * 16, b"\xef" * 16], [0, 1], 1, 2)

@@ -199,7 +199,10 @@ class GroupCoordinator:
         size = self.block_size
         need = (covered + lookahead + size - 1) // size - len(table)
         if need > 0:
-            if need > self.full.pool.num_free or (self.locals and self.growth_short(id(s), len(table) + need) > 0):
+            pool = self.full.pool
+            if need > len(pool._fresh) + len(pool._idle) or (
+                self.locals and self.growth_short(id(s), len(table) + need) > 0
+            ):
                 return False  # room_to_grow, inlined: this runs once per block a decoding sequence fills
             table += self.full.take(need)
         elif need < 0:
@@ -215,7 +218,8 @@ class GroupCoordinator:
 
     def room_to_grow(self, s: _Sequence, need: int) -> bool:
         """Whether admitted ``s`` may take ``need`` more blocks now, in every layer group. Pure."""
-        if need > self.full.pool.num_free:
+        pool = self.full.pool  # its num_free, inlined (package-private): once per block a sequence fills
+        if need > len(pool._fresh) + len(pool._idle):
             return False
         if not self.locals:
             return True

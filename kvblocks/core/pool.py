@@ -207,6 +207,11 @@ class BlockPool:
         ref = self._ref
         taken_at = self._taken_at
         now = self.clock()
+        if count == 1:  # a decoding sequence's next block
+            b = fresh.popleft()
+            ref[b] = 1
+            taken_at[b] = now
+            return [b]
         popleft = fresh.popleft
         out = [popleft() for _ in range(count)]
         for b in out:

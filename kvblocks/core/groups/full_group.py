@@ -66,9 +66,12 @@ class FullAttentionGroup:
         table = s.table
         if table is None:  # pragma: no cover - the caller commits admitted sequences only
             raise IntegrityError("only an admitted sequence commits")
-        existing = tree.insert(
-            content.hashes, table, start, stop, tokens=tokens, lora_name=s.lora_name, lora_id=s.lora_id, stable=True
-        )
+        if keeps:
+            existing = tree.insert(
+                content.hashes, table, start, stop, tokens=tokens, lora_name=s.lora_name, lora_id=s.lora_id, stable=True
+            )
+        else:  # nothing emitted or kept: the tokens and the adapter are not needed (a call without keywords)
+            existing = tree.insert(content.hashes, table, start, stop)
         if existing:
             pins = s.pins if s.pins is not None else {}
             nodes = []

@@ -204,7 +204,7 @@ class GroupCoordinator:
                 self.locals and self.growth_short(id(s), len(table) + need) > 0
             ):
                 return False  # room_to_grow, inlined: this runs once per block a decoding sequence fills
-            table += self.full.take(need)
+            table += pool.take_fresh(need) if need <= len(pool._fresh) else self.full.take(need)
         elif need < 0:
             surplus = table[need:]
             del table[need:]

@@ -163,6 +163,12 @@ class HashedTokens:
         if full == done:
             return 0
         parent = hashes[-1] if done else self._hasher.root
+        if full == done + 1 and self._framer is None and not _BIG_ENDIAN:
+            one = self._hasher.scheme.one_block
+            if one is not None:  # a decode's block: one call, no list of one block
+                start = done * self._size
+                hashes.append(one(parent, tokens[start : start + self._size + phase].tobytes()))
+                return 1
         hashes.extend(self._hasher.hash_packed(tokens, done, full, parent, self._framer))
         return full - done
 

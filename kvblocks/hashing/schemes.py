@@ -145,6 +145,10 @@ class HashScheme:
         """Hashes of ``blocks`` (u32 LE token bytes, one per block) chained onto ``parent``."""
         raise NotImplementedError
 
+    one_block: Callable[[BlockHash | None, bytes], BlockHash] | None = None
+    """``chain([block], parent, None, i)[0]``, as one call (None: the scheme has no such shortcut): a decoding
+    sequence hashes one block at a time, without extras."""
+
 
 class _DigestChain(HashScheme):
     """``h_i = digest(h_{i-1} || tokens_i || frames_i)`` for a one-shot bytes digest."""
@@ -152,6 +156,12 @@ class _DigestChain(HashScheme):
     def __init__(self, name: str, digest: Callable[[bytes], bytes]) -> None:
         self.name = name
         self._digest = digest
+        self.one_block = self._one_block
+
+    def _one_block(self, parent: BlockHash | None, block: bytes) -> BlockHash:
+        if not isinstance(parent, bytes):
+            raise InvalidBlockHashError(f"{self.name} chains onto a bytes digest, got {type(parent).__name__}")
+        return self._digest(parent + block)
 
     def root(self, namespace: Namespace, block_size: int) -> bytes:
         return self._digest(namespace.root_material(self.name, block_size))
@@ -186,6 +196,14 @@ class _Xxh3x64Standard(HashScheme):
     name = "xxh3-64-1337"
     hash_type = int
     SEED = 1337
+
+    def __init__(self) -> None:
+        self.one_block = self._one_block
+
+    def _one_block(self, parent: BlockHash | None, block: bytes) -> BlockHash:
+        h64 = xxhash.xxh3_64_intdigest
+        local = h64(block, self.SEED)
+        return local if parent is None else h64(_PAIR_U64.pack(parent, local), self.SEED)
 
     def root(self, namespace: Namespace, block_size: int) -> int | None:
         if namespace.is_default:

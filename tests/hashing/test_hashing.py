@@ -24,7 +24,7 @@ from kvblocks.errors import (
     InvalidTokenError,
     SequenceStateError,
 )
-from kvblocks.hashing import PrecomputedHashes, pack_tokens
+from kvblocks.hashing import HASH_SCHEMES, PrecomputedHashes, pack_tokens
 
 SCHEMES = ["xxh3-128", "sha256", "xxh3-64-1337"]
 token_lists = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=80)
@@ -473,3 +473,24 @@ def test_appending_one_token_at_a_time_hashes_as_extending_does(prompt, decoded,
     for token in decoded:
         assert one.append_token(token) == many.extend([token])
         assert (one.num_tokens, one.hashes, one.token_ids) == (many.num_tokens, many.hashes, many.token_ids)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    scheme=st.sampled_from(sorted(HASH_SCHEMES)),
+    tokens=st.lists(st.integers(0, (1 << 32) - 1), min_size=1, max_size=70),
+    size=st.sampled_from([1, 4, 16]),
+)
+def test_decoding_token_by_token_hashes_as_one_call_does(scheme: str, tokens: list[int], size: int) -> None:
+    """A decode hashes each block as its last token (or the one its hash also covers) arrives, through the
+    scheme's one-block shortcut where it has one: the hashes are the one-shot chain's, for every scheme."""
+    hasher = BlockHasher(size, scheme=scheme)
+    hashed = HashedTokens(hasher, tokens[:1])
+    for token in tokens[1:]:
+        hashed.append_token(token)
+    assert hashed.hashes == hasher.hash_tokens(tokens)
+    one = HASH_SCHEMES[scheme].one_block
+    if one is not None and hashed.hashes:
+        parent = hasher.root
+        block = struct.pack(f"<{size + hasher.lookahead}I", *tokens[: size + hasher.lookahead])
+        assert one(parent, block) == hashed.hashes[0]

@@ -135,7 +135,11 @@ def run_step(
                 s.num_committed = n  # no block newly full, nothing watched: nothing enters the tree
             else:
                 full = groups.full
-                pinned = full.idle_duplicates(s, committed // size, n // size)
+                first = committed // size
+                if n // size == first + 1 and content.hashes[first] not in full.tree._block_of:
+                    pinned = 0  # a decode's one block, cached by nobody (package-private: the tree's index)
+                else:
+                    pinned = full.idle_duplicates(s, first, n // size)
                 if pinned and max(need, 0) + pinned > full.pool.num_free:  # its commit would take the room
                     if packed is not None:
                         content.truncate(known)

@@ -117,6 +117,9 @@ def run_step(
     failed: list[Hashable] = []
     size = manager._block_size
     groups = manager._groups
+    # A decoding sequence's next block, when no local group keeps tables beside the full group's: taken here
+    # (the coordinator's grow, for its commonest case; every other growth goes through it).
+    pool = groups.full.pool if not groups.locals else None
     for seq_id, s, n, packed, covered, k in plan:
         need = (covered + k + size - 1) // size - len(s.table)
         if need > 0 and not groups.room_to_grow(s, need):
@@ -150,7 +153,13 @@ def run_step(
             s.num_covered = covered
             s.lookahead = k
         else:
-            groups.grow(s, max(covered, s.num_covered), k)  # fits: checked above, pins included
+            covered = max(covered, s.num_covered)
+            if need == 1 and pool is not None and pool._fresh:  # package-private, as the coordinator's grow
+                s.table.append(pool.take_fresh(1)[0])
+                s.num_covered = covered
+                s.lookahead = k
+            else:
+                groups.grow(s, covered, k)  # fits: checked above, pins included
     return failed
 
 

@@ -29,6 +29,10 @@ vLLM builds one connector in its scheduler and one in every worker; each half ha
 
 Load failures are recomputed only with ``kv_load_failure_policy="recompute"``: the connector sets it
 (a cache miss must never fail a request) and says so in the log.
+
+With vLLM's hybrid memory allocator (several KV cache groups, or a sliding-window one) each group stores under
+keys of its own (:mod:`~kvblocks.integrations.vllm.groups`), hits follow every group's rule, and loads are
+asynchronous and reported per request (:mod:`~kvblocks.integrations.vllm.hybrid_planner`).
 """
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ Blocks written without their chain (a local group's, whose index is flat) go out
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterable, Sequence
 from functools import partial
 
@@ -85,6 +84,8 @@ class HostTier:
         self._log: list[tuple[bool, list[BlockHash]]] | None = None if events is None else []
         # Each entry's chain where its write knew it: hash -> (parent hash, token ids as array('I') bytes).
         self._chains: dict[BlockHash, tuple[BlockHash | None, bytes | None]] | None = None if events is None else {}
+        self._stored = partial(stored_event, "host", group, group_kind, block_size)  # what its events are built with
+        self._removed = partial(removed_event, "host", group, group_kind)
 
     @property
     def events(self) -> EventSink | None:
@@ -110,8 +111,7 @@ class HostTier:
             return
         self._log = []
         sink: EventSink = self._events  # type: ignore[assignment]  # a log exists only with a sink
-        stored = partial(stored_event, "host", self.group, self.group_kind, self.block_size)
-        removed = partial(removed_event, "host", self.group, self.group_kind)
+        stored, removed = self._stored, self._removed
         for is_stored, hashes in log:
             if not is_stored:
                 sink.record(removed, hashes)
@@ -156,18 +156,7 @@ class HostTier:
         hashes = list(self._block_of)
         if not hashes:
             return []
-        return [
-            BlockStored(
-                tuple(run),
-                parent,
-                "host",
-                None if tokens is None else array("I", tokens),
-                group=self.group,
-                group_kind=self.group_kind,
-                block_size=self.block_size,
-            )
-            for run, parent, tokens in self._chained(hashes)
-        ]
+        return [self._stored(run, parent, tokens, None) for run, parent, tokens in self._chained(hashes)]
 
     def __len__(self) -> int:
         return len(self._block_of)

@@ -129,12 +129,11 @@ class TierStack:
             return
         hashes: list[BlockHash] = []
         host = self.host
-        chains: list[tuple[BlockHash | None, bytes | None]] | None = None
-        if host is not None and host.events is not None:  # its events name each block's parent and tokens
-            chains = []
-            evicted = index.evict(count, hashes, chains)
-        else:
-            evicted = index.evict(count, hashes)
+        # a host tier's events name each written-back block's parent and tokens: the index says them
+        chains: list[tuple[BlockHash | None, bytes | None]] | None = (
+            [] if host is not None and host.events is not None else None
+        )
+        evicted = index.evict(count, hashes, chains)
         if not evicted:
             return
         for i, (block, block_hash) in enumerate(zip(evicted, hashes, strict=True)):
@@ -169,15 +168,12 @@ class TierStack:
             block = block_of(block_hash)
             if block is None:
                 continue
-            absent = self.host_through and host is not None and block_hash not in host
-            if not absent:
-                pass
-            elif size is not None:
-                parent = keys[position - 1] if position else None
-                if not self.copy_to_host(block, block_hash, parent, _block_tokens(tokens, position, size)):
+            if self.host_through and host is not None and block_hash not in host:
+                parent, own = None, None
+                if size is not None:  # the host tier's events chain it
+                    parent, own = (keys[position - 1] if position else None), _block_tokens(tokens, position, size)
+                if not self.copy_to_host(block, block_hash, parent, own):
                     self.counts.write_backs_without_host_room += 1
-            elif not self.copy_to_host(block, block_hash):
-                self.counts.write_backs_without_host_room += 1
             if self.save_through:
                 self.plan_save("device", block, block_hash)
         if self.events:

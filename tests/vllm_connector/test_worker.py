@@ -159,6 +159,8 @@ def test_reports_of_two_ranks_merge_into_the_union() -> None:
     assert a.merged(b) == WorkerReport(
         {1: frozenset({2, 3}), 2: frozenset(), 3: frozenset({9})}, (("r", b"h1"), ("s", b"h2"))
     )
+    lost_a, lost_b = WorkerReport({}, (), ((0, b"h1"),)), WorkerReport({}, (), ((1, b"h1"), (0, b"h1")))
+    assert lost_a.merged(lost_b).lost == ((0, b"h1"), (1, b"h1"))  # a block lost on any rank is lost
 
 
 @pytest.fixture
@@ -215,7 +217,9 @@ def test_a_per_request_worker_reports_loads_by_request_and_zeroes_what_failed(hy
     assert all((layer[b] == 0).all() for layer in full._tensors for b in (2, 3))  # zero, not NaN: vLLM frees them
     assert hybrid.take_finished_loads() == ({"ok", "bad", "empty", "lost"}, {"bad", "lost"})
     assert hybrid.take_finished_loads() == (set(), set())
-    assert hybrid.take_load_errors() == set() and hybrid.report() is None  # never block ids: unique per group only
+    assert hybrid.take_load_errors() == set()  # never block ids: they are unique per group only
+    # the scheduler side hears which (group, hash) did not arrive: block 2 of group 1, and the rest of its run
+    assert hybrid.report() == WorkerReport({}, (), ((1, HASHES[2]), (1, HASHES[3]))) and hybrid.report() is None
     assert hybrid.stats.load_blocks == 4 and hybrid.stats.load_failed_blocks == 2
     assert hybrid.counters()["loads_corrupt"] == 1
 

@@ -26,7 +26,14 @@ from tests.vllm_engine.fleet import chain_positions, connector_config, damage_st
 MAX_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-4
 HMA_OFF_LINE = "Turning off hybrid kv cache manager"
+LOOKUP_TIMEOUT_S = 60.0
 WINDOW_BLOCKS = -(-(SLIDING_WINDOW - 1) // BLOCK_SIZE)  # blocks a hit needs of a window group: 2
+
+
+def _config(store: Path) -> dict[str, Any]:
+    """The connector on ``store``, with a lookup deadline no probe reaches on a busy machine: a hit then depends on
+    what the store holds, not on how fast its reader thread answered (the counts below are exact)."""
+    return connector_config(store, lookup_timeout_s=LOOKUP_TIMEOUT_S)
 
 
 def _prompts() -> list[list[int]]:
@@ -61,9 +68,7 @@ def gemma3_fill(tiny_gemma3_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     workdir = tmp_path_factory.mktemp("hma-gemma3")
     store = workdir / "store"
     baseline = run_engine(tiny_gemma3_dir, PROMPTS, workdir, "baseline", max_tokens=MAX_TOKENS, logprobs=1)
-    a = run_engine(
-        tiny_gemma3_dir, PROMPTS, workdir, "a", max_tokens=MAX_TOKENS, kv_transfer_config=connector_config(store)
-    )
+    a = run_engine(tiny_gemma3_dir, PROMPTS, workdir, "a", max_tokens=MAX_TOKENS, kv_transfer_config=_config(store))
     return {"workdir": workdir, "store": store, "baseline": baseline, "a": a}
 
 
@@ -92,7 +97,7 @@ def test_a_second_engine_hits_every_group_and_loads_only_the_window_a_sliding_gr
         workdir,
         "b",
         max_tokens=MAX_TOKENS,
-        kv_transfer_config=connector_config(gemma3_fill["store"]),
+        kv_transfer_config=_config(gemma3_fill["store"]),
     )
     assert HMA_OFF_LINE not in _log(workdir, "b")
     assert b["metrics"]["vllm:external_prefix_cache_hits"] == sum(REUSABLE) * BLOCK_SIZE
@@ -128,7 +133,7 @@ def test_a_failed_load_in_either_group_is_recomputed_and_never_reaches_the_store
         workdir,
         "b-damaged",
         max_tokens=MAX_TOKENS,
-        kv_transfer_config=connector_config(store),
+        kv_transfer_config=_config(store),
     )
     window_tier, full_tier = b["connector"]["tiers"]
     assert window_tier["loads_corrupt"] == 1 and full_tier["loads_corrupt"] == 1
@@ -140,7 +145,7 @@ def test_a_failed_load_in_either_group_is_recomputed_and_never_reaches_the_store
         workdir,
         "c-damaged",
         max_tokens=MAX_TOKENS,
-        kv_transfer_config=connector_config(store),
+        kv_transfer_config=_config(store),
     )
     assert c["metrics"]["vllm:external_prefix_cache_hits"] == sum(REUSABLE) * BLOCK_SIZE
     assert all(tier["loads_corrupt"] == 0 for tier in c["connector"]["tiers"])
@@ -152,7 +157,7 @@ def test_an_all_sliding_window_model_keeps_its_window_group_and_loads_only_the_w
 ) -> None:
     store = tmp_path / "store"
     baseline = run_engine(tiny_mistral_dir, PROMPTS, tmp_path, "baseline", max_tokens=MAX_TOKENS)
-    config = connector_config(store)
+    config = _config(store)
     a = run_engine(tiny_mistral_dir, PROMPTS, tmp_path, "a", max_tokens=MAX_TOKENS, kv_transfer_config=config)
     b = run_engine(tiny_mistral_dir, PROMPTS, tmp_path, "b", max_tokens=MAX_TOKENS, kv_transfer_config=config)
     for name, result in (("a", a), ("b", b)):
@@ -169,6 +174,6 @@ def test_a_mamba_hybrid_model_is_refused_at_start_with_a_clear_error(tiny_jamba_
     """The connector stores no Mamba state yet: an engine with it refuses to start and says why (rather than
     running with a group whose state it would silently never load)."""
     with pytest.raises(AssertionError, match="exited"):
-        run_engine(tiny_jamba_dir, PROMPTS[:1], tmp_path, "jamba", kv_transfer_config=connector_config(tmp_path / "s"))
+        run_engine(tiny_jamba_dir, PROMPTS[:1], tmp_path, "jamba", kv_transfer_config=_config(tmp_path / "s"))
     log = _log(tmp_path, "jamba")
     assert "KV cache group 0 is MambaSpec (Mamba / linear-attention state is not stored yet)" in log

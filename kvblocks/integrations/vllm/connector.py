@@ -208,14 +208,15 @@ class KVBlocksConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         try:
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if isinstance(self.planner, HybridPlanner):
-                finished = getattr(connector_output, "finished_recving", None) or ()
-                self.planner.loads_done(finished, getattr(connector_output, "failed_recving", None) or ())
+                failed_requests = getattr(connector_output, "failed_recving", None) or ()
+                lost = meta.report.lost if isinstance(meta, KVBlocksWorkerMetadata) else ()
+                self.planner.loads_done(failed_requests, lost)
                 return
             failed = getattr(connector_output, "invalid_block_ids", None)
             if failed:
                 self.planner.load_failed(failed)
-            meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if isinstance(meta, KVBlocksWorkerMetadata):
                 self.planner.confirm(meta.report.failed, meta.report.withheld)
         except Exception as error:  # a stale index costs misses; an unconfirmed load, saves: never wrong KV

@@ -15,8 +15,9 @@ Loads are asynchronous in vLLM's sense (``get_num_new_matched_tokens`` answers `
 reports load failures of hybrid models per request, never per block (its block ids are unique only within a
 group), and a request waiting for its load runs no forward pass. So nothing reads a loaded block before its
 load's outcome is known: a load that fails frees the request's blocks uncached and vLLM recomputes it from
-the start, and no block computed over a failed load can exist to be saved. The planner forgets the failed
-request's loaded hashes and never offers that request a stored hit again.
+the start, and no block computed over a failed load can exist to be saved. The planner never offers that
+request a stored hit again, and forgets the hashes whose blocks did not arrive (the workers name them): the
+sound blocks it loaded, a shared prefix among them, stay hits for the other requests.
 
 Saves: every block a step fills, in every group, once (a later prompt may end its hit anywhere, and a window
 needs the blocks before that end). A windowed group's block id is trusted only where the request certainly
@@ -34,7 +35,15 @@ from typing import cast
 from kvblocks.core.groups.hits import GroupHitRule, longest_common_hit, needed_blocks
 from kvblocks.errors import ConfigError, InvalidArgumentError
 from kvblocks.hashing import BlockHash
-from kvblocks.integrations.vllm.planner import BlockRun, Scheduled, StepPlan, StorageIndex
+from kvblocks.integrations.vllm.planner import (
+    BlockRun,
+    Scheduled,
+    StepPlan,
+    StorageIndex,
+    check_settings,
+    load_range,
+    match_range,
+)
 
 __all__ = ["NULL_BLOCK", "HybridPlanner"]
 
@@ -45,7 +54,7 @@ NULL_BLOCK = 0
 class _Tracked:
     """One request the planner follows, from its match to its end."""
 
-    __slots__ = ("end", "hashes", "load_failed", "loading", "matched_from", "num_saved", "tables")
+    __slots__ = ("end", "hashes", "load_failed", "matched_from", "num_saved", "tables")
 
     def __init__(self, hashes: Sequence[BlockHash], groups: int) -> None:
         self.hashes = hashes  # the request's own list: it grows as tokens are generated
@@ -53,7 +62,6 @@ class _Tracked:
         self.num_saved = 0  # blocks [0, num_saved) are stored, being saved, or were skipped as stored
         self.matched_from: int | None = None  # the num_computed_tokens of the last answered match
         self.end = 0
-        self.loading: list[BlockRun] = []  # its load, until vLLM reports the outcome
         self.load_failed = False  # a load of it failed: it is never offered a stored hit again
 
 
@@ -74,17 +82,12 @@ class HybridPlanner:
         clock: Callable[[], float] = time.monotonic,
         recent_saves: int = 1 << 16,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
+        check_settings(block_size, lookup_timeout_s, recent_saves)
         if not rules or len(rules) != len(indexes):
             raise ConfigError(f"{len(rules)} group rules but {len(indexes)} storage indexes (one each, at least one)")
         for number, rule in enumerate(rules):
             if not isinstance(rule, GroupHitRule) or rule.block_size != block_size:
                 raise ConfigError(f"group {number}: a GroupHitRule with blocks of {block_size} tokens, got {rule!r}")
-        if isinstance(lookup_timeout_s, bool) or not isinstance(lookup_timeout_s, int | float) or lookup_timeout_s < 0:
-            raise ConfigError(f"lookup_timeout_s must be a number >= 0, got {lookup_timeout_s!r}")
-        if isinstance(recent_saves, bool) or not isinstance(recent_saves, int) or recent_saves < 0:
-            raise ConfigError(f"recent_saves must be an int >= 0, got {recent_saves!r}")
         self.rules = tuple(rules)
         self.indexes = tuple(indexes)
         self.block_size = block_size
@@ -108,12 +111,7 @@ class HybridPlanner:
     def match(self, request_id: str, hashes: Sequence[BlockHash], num_tokens: int, num_computed: int) -> int | None:
         """Tokens past ``num_computed`` every group can load, or None: ask again (a probe is out)."""
         size = self.block_size
-        if num_computed % size or num_computed < 0 or num_tokens < 0:
-            raise InvalidArgumentError(
-                f"request {request_id!r}: {num_computed} computed of {num_tokens} tokens is not whole blocks"
-            )
-        first = num_computed // size
-        limit = min(len(hashes), max(0, num_tokens - 1) // size)
+        first, limit = match_range(request_id, hashes, num_tokens, num_computed, size)
         tracked = self._requests.get(request_id)
         if tracked is None:
             tracked = self._requests[request_id] = _Tracked(hashes, len(self.rules))
@@ -159,18 +157,13 @@ class HybridPlanner:
         tracked = self._requests.get(request_id)
         if num_external_tokens == 0 or tracked is None:
             return
-        size = self.block_size
-        start = tracked.matched_from
-        if start is None or num_external_tokens % size or num_external_tokens < 0:
-            raise InvalidArgumentError(
-                f"request {request_id!r}: {num_external_tokens} external tokens were never matched in whole blocks"
-            )
+        loaded = load_range(request_id, tracked.matched_from, num_external_tokens, self.block_size)
         if len(tables) != len(self.rules):
             raise InvalidArgumentError(
                 f"request {request_id!r}: {len(tables)} block tables for {len(self.rules)} groups"
             )
-        hit = start + num_external_tokens
-        first, stop = start // size, hit // size
+        hit = loaded.stop * self.block_size
+        first, stop = loaded.start, loaded.stop
         if stop > len(tracked.hashes):
             raise InvalidArgumentError(
                 f"request {request_id!r}: blocks up to {stop - 1} to load, {len(tracked.hashes)} hashed"
@@ -190,7 +183,6 @@ class HybridPlanner:
             if ids:
                 runs.append(BlockRun(request_id, tuple(tracked.hashes[p] for p in positions), ids, group=number))
         tracked.tables = [list(table) for table in tables]
-        tracked.loading = runs
         if not runs:  # nothing to move (vLLM still waits for the outcome)
             runs = [BlockRun(request_id, (), ())]
         self._loads.extend(runs)
@@ -277,22 +269,21 @@ class HybridPlanner:
 
     # ------------------------------------------------------------------ outcomes
 
-    def loads_done(self, finished: Iterable[str], failed: Iterable[str]) -> None:
-        """vLLM's report of finished loads: ``failed`` (a subset of ``finished``) did not arrive sound. Their
-        hashes leave every group's index (a later probe may learn them again) and the request starts over."""
-        bad = set(failed)
-        for request_id in finished:
+    def loads_done(self, failed: Iterable[str], lost: Iterable[tuple[int, BlockHash]] = ()) -> None:
+        """The outcome of finished loads: the requests in ``failed`` (vLLM's ``failed_recving``) did not arrive
+        sound, and start over without a stored hit; ``lost`` (the workers' report) are the (group, hash) whose
+        blocks did not arrive: they leave their group's index (a later probe may learn them again)."""
+        by_group: dict[int, list[BlockHash]] = {}
+        for group, h in lost:
+            self._planned.pop((group, h), None)
+            by_group.setdefault(group, []).append(h)
+        for group, hashes in by_group.items():
+            if 0 <= group < len(self.indexes):
+                self.indexes[group].forget(hashes)
+        for request_id in failed:
             tracked = self._requests.get(request_id)
             if tracked is None:
                 continue
-            runs, tracked.loading = tracked.loading, []
-            if request_id not in bad:
-                continue
-            for run in runs:
-                for h in run.hashes:
-                    self._planned.pop((run.group, h), None)
-                if run.hashes:
-                    self.indexes[run.group].forget(run.hashes)
             tracked.load_failed = True
             tracked.tables = [[] for _ in self.rules]
             tracked.num_saved = 0

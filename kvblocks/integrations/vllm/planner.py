@@ -43,7 +43,16 @@ from kvblocks.errors import ConfigError, InvalidArgumentError
 from kvblocks.hashing import BlockHash
 from kvblocks.integrations.vllm.provenance import BAD, BlockProvenance, Root, merge_roots
 
-__all__ = ["BlockRun", "Scheduled", "StepPlan", "StorageIndex", "TransferPlanner"]
+__all__ = [
+    "BlockRun",
+    "Scheduled",
+    "StepPlan",
+    "StorageIndex",
+    "TransferPlanner",
+    "check_settings",
+    "load_range",
+    "match_range",
+]
 
 EXPIRE_STEPS = 64
 """Steps a load's outcome may stay unreported before the planner takes it for failed (a lost report must
@@ -116,6 +125,38 @@ class Scheduled(NamedTuple):
     """Blocks appended to a running request's table this step."""
 
 
+def check_settings(block_size: int, lookup_timeout_s: float, recent_saves: int) -> None:
+    """A planner's settings, each checked (:class:`ConfigError`); shared by every scheduler-side planner."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
+    if isinstance(lookup_timeout_s, bool) or not isinstance(lookup_timeout_s, int | float) or lookup_timeout_s < 0:
+        raise ConfigError(f"lookup_timeout_s must be a number >= 0, got {lookup_timeout_s!r}")
+    if isinstance(recent_saves, bool) or not isinstance(recent_saves, int) or recent_saves < 0:
+        raise ConfigError(f"recent_saves must be an int >= 0, got {recent_saves!r}")
+
+
+def match_range(
+    request_id: Hashable, hashes: Sequence[BlockHash], num_tokens: int, num_computed: int, block_size: int
+) -> tuple[int, int]:
+    """The blocks a match may offer, ``[first, limit)``: past the local hit, and never the block holding the
+    prompt's last token (see the module docstring). Refuses a local hit that is not whole blocks."""
+    if num_computed % block_size or num_computed < 0 or num_tokens < 0:
+        raise InvalidArgumentError(
+            f"request {request_id!r}: {num_computed} computed of {num_tokens} tokens is not whole blocks"
+        )
+    return num_computed // block_size, min(len(hashes), max(0, num_tokens - 1) // block_size)
+
+
+def load_range(request_id: Hashable, matched_from: int | None, num_external_tokens: int, block_size: int) -> range:
+    """The blocks vLLM allocated ``num_external_tokens`` for, after a match answered from ``matched_from``
+    tokens; refuses tokens that were never matched, or not in whole blocks."""
+    if matched_from is None or num_external_tokens % block_size or num_external_tokens < 0:
+        raise InvalidArgumentError(
+            f"request {request_id!r}: {num_external_tokens} external tokens were never matched in whole blocks"
+        )
+    return range(matched_from // block_size, (matched_from + num_external_tokens) // block_size)
+
+
 class _Tracked:
     """One request the planner follows, from its match to its end."""
 
@@ -181,12 +222,7 @@ class TransferPlanner:
     ) -> None:
         """``recent_saves``: how many planned saves are remembered to plan none of them twice (the oldest are
         forgotten first; the index knows a save only once it has landed)."""
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
-        if isinstance(lookup_timeout_s, bool) or not isinstance(lookup_timeout_s, int | float) or lookup_timeout_s < 0:
-            raise ConfigError(f"lookup_timeout_s must be a number >= 0, got {lookup_timeout_s!r}")
-        if isinstance(recent_saves, bool) or not isinstance(recent_saves, int) or recent_saves < 0:
-            raise ConfigError(f"recent_saves must be an int >= 0, got {recent_saves!r}")
+        check_settings(block_size, lookup_timeout_s, recent_saves)
         self.index = index
         self.block_size = block_size
         self.lookup_timeout_s = float(lookup_timeout_s)
@@ -214,13 +250,7 @@ class TransferPlanner:
         ``hashes`` are the request's chained block hashes (the planner keeps the list: vLLM extends it
         as tokens are generated); ``num_tokens`` the tokens it holds; ``num_computed`` its local hit.
         """
-        size = self.block_size
-        if num_computed % size or num_computed < 0 or num_tokens < 0:
-            raise InvalidArgumentError(
-                f"request {request_id!r}: {num_computed} computed of {num_tokens} tokens is not whole blocks"
-            )
-        first = num_computed // size
-        limit = min(len(hashes), max(0, num_tokens - 1) // size)
+        first, limit = match_range(request_id, hashes, num_tokens, num_computed, self.block_size)
         tracked = self._requests.get(request_id)
         if tracked is None:
             tracked = self._requests[request_id] = _Tracked(hashes)
@@ -252,13 +282,8 @@ class TransferPlanner:
         tracked = self._requests.get(request_id)
         if num_external_tokens == 0 or tracked is None:
             return
-        size = self.block_size
-        start = tracked.matched_from
-        if start is None or num_external_tokens % size or num_external_tokens < 0:
-            raise InvalidArgumentError(
-                f"request {request_id!r}: {num_external_tokens} external tokens were never matched in whole blocks"
-            )
-        first, stop = start // size, (start + num_external_tokens) // size
+        loaded = load_range(request_id, tracked.matched_from, num_external_tokens, self.block_size)
+        first, stop = loaded.start, loaded.stop
         if stop > len(block_ids) or stop > len(tracked.hashes):
             raise InvalidArgumentError(
                 f"request {request_id!r}: blocks {first}..{stop - 1} to load, but {len(block_ids)} allocated"

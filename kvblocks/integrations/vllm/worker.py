@@ -88,6 +88,8 @@ class WorkerReport:
     """Per step whose loads ran: the block ids whose load failed there (empty: every load succeeded)."""
     withheld: tuple[tuple[str, BlockHash], ...] = ()
     """Saves dropped over a failed load: (request id, hash), to be saved once vLLM recomputes them."""
+    lost: tuple[tuple[int, BlockHash], ...] = ()
+    """Per-request loads (hybrid models): (group, hash) of each block that did not arrive sound."""
 
     def merged(self, other: WorkerReport) -> WorkerReport:
         """Both ranks' reports as one: a load failed if it failed on any rank."""
@@ -95,7 +97,7 @@ class WorkerReport:
         for step, blocks in other.failed.items():
             failed.setdefault(step, blocks)
         withheld = tuple(dict.fromkeys(self.withheld + other.withheld))
-        return WorkerReport(failed, withheld)
+        return WorkerReport(failed, withheld, tuple(dict.fromkeys(self.lost + other.lost)))
 
 
 class LoadRecord:
@@ -164,6 +166,7 @@ class ConnectorWorker:
         self._withheld: list[tuple[str, BlockHash]] = []
         self._loads_finished: set[str] = set()
         self._loads_failed: set[str] = set()
+        self._lost: list[tuple[int, BlockHash]] = []
 
     @property
     def tier(self) -> StorageTier:
@@ -201,6 +204,7 @@ class ConnectorWorker:
                 self._loads_finished.add(run.request_id)
                 if lost:
                     self._loads_failed.add(run.request_id)
+                    self._lost.extend((run.group, h) for h in run.hashes[usable:])
             else:
                 failed.extend(lost)
             if lost:
@@ -288,8 +292,8 @@ class ConnectorWorker:
 
     def report(self) -> WorkerReport | None:
         """What the scheduler side must hear since the last report (None: nothing)."""
-        if not self._reported and not self._withheld:
+        if not self._reported and not self._withheld and not self._lost:
             return None
-        report = WorkerReport(self._reported, tuple(self._withheld))
-        self._reported, self._withheld = {}, []
+        report = WorkerReport(self._reported, tuple(self._withheld), tuple(self._lost))
+        self._reported, self._withheld, self._lost = {}, [], []
         return report

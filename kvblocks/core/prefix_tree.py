@@ -43,6 +43,7 @@ from kvblocks.errors import (
 from kvblocks.event_codec import EVENT_GROUP_KINDS, is_group_tag, removed_event, stored_event, stored_range_event
 from kvblocks.events import AllBlocksCleared, BlockStored, EventSink
 from kvblocks.hashing import BlockHash
+from kvblocks.hashing.tokens import block_token_bytes
 
 __all__ = ["PrefixMatch", "PrefixTree"]
 
@@ -353,17 +354,9 @@ class PrefixTree:
         self, tokens_of: list[bytes | None], tokens: Sequence[int] | None, blocks: Sequence[int], first: int, stop: int
     ) -> None:
         """Note the token ids of the blocks just inserted at positions ``[first, stop)`` (None where not given)."""
-        if tokens is None:
-            for position in range(first, stop):
-                tokens_of[blocks[position]] = None
-            return
         size: int = self.block_size  # type: ignore[assignment]  # keep_token_ids needs it
-        whole = type(tokens) is array and tokens.typecode == "I"  # the sequence's own array: slice it as is
-        packed: array[int] = tokens if whole else array("I", tokens[first * size : stop * size])  # type: ignore[assignment]
-        base = 0 if whole else first
         for position in range(first, stop):
-            offset = (position - base) * size
-            tokens_of[blocks[position]] = packed[offset : offset + size].tobytes()
+            tokens_of[blocks[position]] = block_token_bytes(tokens, position, size)
 
     def _unlink(self, hashes: Sequence[BlockHash], blocks: Sequence[int], first: int, stop: int) -> None:
         """Undo the links an aborted insert made for positions ``first..stop-1`` (leaves, newest first)."""

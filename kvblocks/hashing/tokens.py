@@ -15,7 +15,7 @@ import numpy as np
 
 from kvblocks.errors import ConfigError, InvalidBlockHashError, InvalidTokenError
 
-__all__ = ["TOKEN_LIMIT", "BlockHash", "pack_tokens", "validate_block_hashes"]
+__all__ = ["TOKEN_LIMIT", "BlockHash", "block_token_bytes", "pack_tokens", "validate_block_hashes"]
 
 BlockHash = bytes | int
 """A block's chained hash: ``bytes`` for xxh3-128 and sha256, ``int`` for xxh3-64-1337
@@ -69,6 +69,19 @@ def _pack_ndarray(arr: np.ndarray) -> array[int]:
     out = array("I")
     out.frombytes(arr.astype("=u4", copy=False).tobytes())
     return out
+
+
+def block_token_bytes(tokens: Sequence[int] | None, position: int, size: int) -> bytes | None:
+    """Block ``position``'s token ids of a sequence's ``tokens`` (from its first) as ``array('I')`` bytes -- what
+    a cache keeps of a block's tokens for its events; None when ``tokens`` is None or falls short of the block.
+
+    >>> block_token_bytes([1, 2, 3, 4, 5], 1, 2) == array("I", [3, 4]).tobytes(), block_token_bytes([1], 0, 2)
+    (True, None)
+    """
+    if tokens is None or len(tokens) < (position + 1) * size:
+        return None
+    part = tokens[position * size : (position + 1) * size]
+    return part.tobytes() if type(part) is array else array("I", part).tobytes()
 
 
 def bad_token(tokens: Sequence[object]) -> InvalidTokenError:

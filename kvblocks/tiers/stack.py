@@ -14,7 +14,6 @@ the stack never moves data and never waits.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -25,6 +24,7 @@ from kvblocks.errors import ConfigError, IntegrityError
 from kvblocks.event_codec import BlockStored
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash, Namespace
+from kvblocks.hashing.tokens import block_token_bytes
 from kvblocks.tiers.config import TierConfig
 from kvblocks.tiers.kinds import TIER_KINDS, TierPlace
 from kvblocks.tiers.pending import _Counts, _GroupPlan
@@ -171,7 +171,7 @@ class TierStack:
             if self.host_through and host is not None and block_hash not in host:
                 parent, own = None, None
                 if size is not None:  # the host tier's events chain it
-                    parent, own = (keys[position - 1] if position else None), _block_tokens(tokens, position, size)
+                    parent, own = (keys[position - 1] if position else None), block_token_bytes(tokens, position, size)
                 if not self.copy_to_host(block, block_hash, parent, own):
                     self.counts.write_backs_without_host_room += 1
             if self.save_through:
@@ -220,14 +220,6 @@ class TierStack:
     def snapshot_events(self) -> list[BlockStored]:
         """What the group's tiers hold, as events, top tier first. Pure."""
         return [event for tier in self.tiers for event in tier.snapshot_events()]
-
-
-def _block_tokens(tokens: Sequence[int] | None, position: int, size: int) -> bytes | None:
-    """Block ``position``'s tokens of a sequence's ``tokens`` as ``array('I')`` bytes (None if they fall short)."""
-    if tokens is None or len(tokens) < (position + 1) * size:
-        return None
-    part = tokens[position * size : (position + 1) * size]
-    return part.tobytes() if type(part) is array else array("I", part).tobytes()
 
 
 def tier_stacks(

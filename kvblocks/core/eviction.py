@@ -154,6 +154,15 @@ class LRU:
             else:
                 stamps.extend(map(order.pop, out))
             return out
+        if count == 1 and order:  # a decoding sequence's next block: the loop below, for one victim
+            b = next(iter(order))
+            if blockers[b]:
+                b = self._oldest_unblocked(blockers)
+            stamp = order.pop(b)
+            if stamps is not None:
+                stamps.append(stamp)
+            blockers[parent[b]] -= 1
+            return [b]
         out = []
         append = out.append
         pop = order.pop

@@ -38,7 +38,7 @@ from kvblocks.core.role import Role, RoleFactory, role_for
 from kvblocks.core.sequence import _FREED_MEMORY, BlockTable, hashed_content
 from kvblocks.core.sequence import _count_arg as _count_arg  # re-exported
 from kvblocks.core.sequence import _Sequence as _Sequence  # re-exported
-from kvblocks.core.step import run_step
+from kvblocks.core.step import commit_checked, run_step
 from kvblocks.errors import (
     CommitOutOfRangeError,
     ConfigError,
@@ -164,6 +164,7 @@ class KVCacheManager(GroupCalls, TierCalls):
         self._tiers = None if tiers is None else Tiering.under(self._groups, tiers, config, events=event_sink, tag=tag)
         self._admission = Admission(config, self._groups, self._tiers)
         self._role: Role | None = role_for(self, type(self)._role_component, disagg)
+        self._step_marks = 0  # the number of the last batched step that checked its sequences for repeats
         self._guards_changes = self._tiers is not None or self._role is not None  # the step checks every entry then
 
     # ------------------------------------------------------------------ properties
@@ -430,24 +431,8 @@ class KVCacheManager(GroupCalls, TierCalls):
                 f"{slots} tokens allocated, {known} tokens known)"
             )
 
-    def _commit(self, s: _Sequence, n: int) -> None:
-        """Commit a checked ``n``: blocks newly below the line enter every group's index."""
-        # Blocks fully below the old line are already in the tree (inserted, hit or pinned);
-        # those newly below the new line go in now.
-        size = self._block_size
-        start = s.num_committed // size
-        full = n // size
-        cache = full > start and self._caching
-        if cache:
-            self._full.cache(s, start, full)
-        before = s.num_committed
-        s.num_committed = n
-        if n > s.num_covered:  # accepted drafts, committed in lookahead slots: they are allocated tokens now
-            s.lookahead -= n - s.num_covered
-            s.num_covered = n
-        groups = self._beside
-        if groups is not None:
-            s.watch = groups.committed(id(s), s.content.hashes, before, n, cache)
+    _commit = commit_checked  # the one commit rule, in the compiled step module (typed there): commit and step
+    """Commit a checked ``n`` (:func:`kvblocks.core.step.commit_checked`)."""
 
     def step(
         self,

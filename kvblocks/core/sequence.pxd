@@ -5,4 +5,6 @@
 cdef class _Sequence:
     cdef public object content, lora_id, lora_name, pins, table, view
     cdef public Py_ssize_t lookahead, num_committed, num_covered, watch
+    cdef public Py_ssize_t step_commit, step_cover, step_lookahead, step_mark
+    cdef public object step_tokens
     cdef public object preempted, skip_read

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import sys
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import SupportsIndex, cast, overload
 
@@ -70,6 +71,11 @@ class _Sequence:
         "pins",
         "preempted",
         "skip_read",
+        "step_commit",
+        "step_cover",
+        "step_lookahead",
+        "step_mark",
+        "step_tokens",
         "table",
         "view",
         "watch",
@@ -88,6 +94,11 @@ class _Sequence:
         self.preempted = False
         self.skip_read = skip_read  # never take a hit (prompt logprobs need every token computed); still writes
         self.watch = _NEVER  # a commit reaching this many tokens must reach the groups beside full attention
+        # the batched step's plan for this sequence, written by its checking pass and read by its applying pass
+        # (kvblocks/core/step.py); step_mark is the number of the last step that planned it (0: none)
+        self.step_mark = 0
+        self.step_commit = self.step_cover = self.step_lookahead = 0
+        self.step_tokens: array[int] | int | None = None
 
     def blocks(self) -> list[int]:
         """The table of an admitted sequence (its callers checked it is admitted)."""

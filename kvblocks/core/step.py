@@ -7,11 +7,11 @@ from array import array
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-from kvblocks.core.sequence import _count_arg
+from kvblocks.core.sequence import _count_arg, _Sequence
 from kvblocks.errors import InvalidArgumentError, SequenceStateError
 from kvblocks.hashing import PrecomputedHashes, pack_tokens
 
-__all__ = ["run_step"]
+__all__ = ["commit_checked", "run_step"]
 
 _MAX_TOKEN = 0xFFFFFFFF  # what array("I") holds
 _MAX_COUNT = 1 << 60
@@ -64,11 +64,14 @@ def run_step(
         for seq_id in seq_ids:
             manager._get(seq_id)  # raises the precise error
         raise  # pragma: no cover - one of them raised
-    if count > 1 and len(set(map(id, batch))) != count:
-        raise InvalidArgumentError("a sequence appears twice in one step")
+    if count > 1:  # each sequence is marked with this step's number; one marked already appears twice
+        mark = manager._step_marks = manager._step_marks + 1
+        for s in batch:
+            if s.step_mark == mark:
+                raise InvalidArgumentError("a sequence appears twice in one step")
+            s.step_mark = mark
     hooked = manager._guards_changes
-    # 1. validate every entry: nothing changes unless the whole batch is sound
-    plan = []
+    # 1. validate every entry: nothing changes unless the whole batch is sound; each sequence keeps its plan
     for i in range(count):
         seq_id, s, n_arg, tokens, new_arg, k_arg = seq_ids[i], batch[i], commits[i], appends[i], news[i], drafts[i]
         packed: Sequence[int] | int | None = None
@@ -112,18 +115,28 @@ def run_step(
         )
         k = min(k_arg if type(k_arg) is int and k_arg >= 0 else _count_arg(k_arg, "num_lookahead_tokens"), _MAX_COUNT)
         covered = n + new
-        plan.append((seq_id, s, n, packed, covered if covered > slots else slots, k))
+        s.step_commit = n
+        s.step_tokens = packed
+        s.step_cover = covered if covered > slots else slots
+        s.step_lookahead = k
     # 2. apply, sequence by sequence; one that cannot get its slots is left as it was
     failed: list[Hashable] = []
     size = manager._block_size
     groups = manager._groups
-    # A decoding sequence's next block, when no local group keeps tables beside the full group's: taken here
-    # (the coordinator's grow, for its commonest case; every other growth goes through it).
-    pool = groups.full.pool if not groups.locals else None
-    for seq_id, s, n, packed, covered, k in plan:
+    # When no local group keeps tables beside the full group's, a sequence's room is the pool's free supply and a
+    # decoding sequence's next block is the full group's: both asked here (the coordinator's room_to_grow and
+    # grow, for their commonest case; every other growth goes through the coordinator).
+    full = groups.full
+    pool = full.pool if not groups.locals else None
+    for i in range(count):
+        s = batch[i]
+        n, packed, covered, k = s.step_commit, s.step_tokens, s.step_cover, s.step_lookahead
+        s.step_tokens = None  # the plan keeps no token run past its step
         need = (covered + k + size - 1) // size - len(s.table)
-        if need > 0 and not groups.room_to_grow(s, need):
-            failed.append(seq_id)  # nothing changed for it
+        if need > 0 and not (
+            need <= len(pool._fresh) + len(pool._idle) if pool is not None else groups.room_to_grow(s, need)
+        ):
+            failed.append(seq_ids[i])  # nothing changed for it
             continue
         committed = s.num_committed
         content = s.content
@@ -137,7 +150,6 @@ def run_step(
             if n // size == committed // size and n <= s.num_covered and n < s.watch:
                 s.num_committed = n  # no block newly full, nothing watched: nothing enters the tree
             else:
-                full = groups.full
                 first = committed // size
                 if n // size == first + 1 and content.hashes[first] not in full.tree._block_of:
                     pinned = 0  # a decode's one block, cached by nobody (package-private: the tree's index)
@@ -146,21 +158,41 @@ def run_step(
                 if pinned and max(need, 0) + pinned > full.pool.num_free:  # its commit would take the room
                     if packed is not None:
                         content.truncate(known)
-                    failed.append(seq_id)  # nothing changed for it
+                    failed.append(seq_ids[i])  # nothing changed for it
                     continue
-                manager._commit(s, n)
+                commit_checked(manager, s, n)
         if not need:  # the common case: the table already has the slots
             s.num_covered = covered
             s.lookahead = k
         else:
             covered = max(covered, s.num_covered)
-            if need == 1 and pool is not None and pool._fresh:  # package-private, as the coordinator's grow
-                s.table.append(pool.take_fresh(1)[0])
+            if need == 1 and pool is not None:  # package-private, as the coordinator's grow
+                s.table.append(pool.take_fresh(1)[0] if pool._fresh else full.take(1)[0])
                 s.num_covered = covered
                 s.lookahead = k
             else:
                 groups.grow(s, covered, k)  # fits: checked above, pins included
     return failed
+
+
+def commit_checked(manager: Any, s: _Sequence, n: int) -> None:
+    """Commit a checked ``n`` for admitted ``s`` (the manager's ``commit``, its step and its tiers' loads): blocks
+    newly below the line enter every group's index. Blocks fully below the old line are already in the tree
+    (inserted, hit or pinned); those newly below the new line go in now."""
+    size = manager._block_size
+    before = s.num_committed
+    start = before // size
+    stop = n // size
+    cache = stop > start and manager._caching
+    if cache:
+        manager._full.cache(s, start, stop)
+    s.num_committed = n
+    if n > s.num_covered:  # accepted drafts, committed in lookahead slots: they are allocated tokens now
+        s.lookahead -= n - s.num_covered
+        s.num_covered = n
+    groups = manager._beside
+    if groups is not None:
+        s.watch = groups.committed(id(s), s.content.hashes, before, n, cache)
 
 
 def _column(values: object, count: int, what: str, default: object) -> Sequence[Any]:

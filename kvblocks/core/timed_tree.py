@@ -37,6 +37,6 @@ class _TimedTree(PrefixTree):
         pool = self.pool
         stamps: list[float] = []  # when each victim became idle
         evicted = pool._policy.victims(count, self._num_children, self._parent_of, stamps)
-        if evicted:
+        if evicted and not self.lifetimes.passes_over(len(evicted)):
             self.lifetimes.observe(pool.clock(), pool._taken_at, zip(evicted, stamps), len(evicted))
         return evicted

@@ -54,12 +54,14 @@ BUILD_RECORD = "_native_build.json"
 """The file, in the package folder, in which the build records each compiled module's source digest."""
 
 COMPILED_MODULES: tuple[str, ...] = (
+    "kvblocks.accounting",
     "kvblocks.core.admission",
     "kvblocks.core.coordinator",
     "kvblocks.core.eviction",
     "kvblocks.core.groups.block_index",
     "kvblocks.core.groups.full_group",
     "kvblocks.core.groups.hits",
+    "kvblocks.core.groups.sources",
     "kvblocks.core.manager",
     "kvblocks.core.pool",
     "kvblocks.core.prefix_tree",

@@ -322,7 +322,9 @@ class PrefixTree:
         try:
             if min(new_blocks) < 0:  # the one bad id that list indexing would not catch
                 raise IndexError
-            for i, h, b in zip(range(first_new, stop), hashes[first_new:stop], new_blocks):  # noqa: B007
+            for i in range(first_new, stop):
+                h = hashes[i]
+                b = blocks[i]
                 # A block already a node (or given twice), a block nobody holds, a hash seen twice: refuse.
                 if hash_of[b] is not None or not ref[b] or h in block_of:
                     raise IndexError
@@ -401,17 +403,18 @@ class PrefixTree:
         """
         if type(count) is not int or count < 0:
             raise InvalidArgumentError(f"cannot evict {count!r} blocks")
-        pool = self.pool
         # package-private: the tree is the pool's content index. The policy drops the victims from the
         # idle set and unlinks each from its parent's child count (a parent may follow its last child).
         evicted = self._victims(count)
         block_of = self._block_of
         hash_of = self._hash_of
+        events = self._events
+        tokens_of = self._tokens_of
         removed = removed_hashes
-        if removed is None and self._events is not None:
+        if removed is None and events is not None:
             removed = []
         if removed_chains is not None:  # before any is unlinked: a parent follows its last child in the batch
-            root, parent_of, tokens_of = self._root, self._parent_of, self._tokens_of
+            root, parent_of = self._root, self._parent_of
             for b in evicted:
                 parent = parent_of[b]
                 removed_chains.append(
@@ -423,15 +426,15 @@ class PrefixTree:
             hash_of[b] = None
             if removed is not None:
                 removed.append(h)  # type: ignore[arg-type]
-        if self._tokens_of is not None:
+        if tokens_of is not None:
             for b in evicted:
-                self._tokens_of[b] = None
-        pool._fresh.extend(evicted)
+                tokens_of[b] = None
+        self.pool._fresh.extend(evicted)
         self.num_evicted += len(evicted)
-        if evicted and self._events is not None:
+        if evicted and events is not None:
             # our own list when the caller gave none (nobody changes it later), else the batch's part of theirs
             mine = removed if removed_hashes is None else removed[-len(evicted) :]  # type: ignore[index]
-            self._events.record(self._removed, mine)
+            events.record(self._removed, mine)
         return evicted
 
     def _victims(self, count: int) -> list[int]:

@@ -66,7 +66,7 @@ class GroupTiers(Protocol):
 def take_blocks(pool: BlockPool, index: EvictingIndex, tiers: GroupTiers | None, count: int) -> list[int]:
     """``count`` fresh blocks of a group's ``pool``, evicting idle cached ones from its ``index`` first when the
     fresh ones fall short (what they held moves down to ``tiers``, when the group has some)."""
-    short = count - pool.num_fresh
+    short = count - len(pool._fresh)  # package-private: once per block a decoding sequence fills
     if short > 0:
         if tiers is None:
             index.evict(short)

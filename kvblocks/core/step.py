@@ -141,11 +141,12 @@ def run_step(
         committed = s.num_committed
         content = s.content
         if packed is not None:
-            known = content.num_tokens
+            hashed = content  # tokens were refused above for a sequence given by block hashes: a HashedTokens
+            known = hashed.num_tokens
             if type(packed) is int:
-                content.append_token(packed)
+                hashed.append_token(packed)
             else:
-                content.extend_packed(packed)
+                hashed.extend_packed(packed)
         if n != committed:
             if n // size == committed // size and n <= s.num_covered and n < s.watch:
                 s.num_committed = n  # no block newly full, nothing watched: nothing enters the tree

@@ -5,3 +5,4 @@ cdef class BlockHasher:
 
 cdef class HashedTokens:
     cdef public object _framer, _hasher, _phase, _size, _tokens, hashes, num_tokens
+    cpdef append_token(self, token)

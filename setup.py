@@ -86,6 +86,7 @@ def _extensions() -> list:  # type: ignore[type-arg]
     except ImportError:
         _say("Cython is not installed: installing pure Python (nothing compiled)")
         return []
+    _forget_stale_translations()
     try:
         return cythonize(
             _placeholders(),
@@ -102,6 +103,19 @@ def _extensions() -> list:  # type: ignore[type-arg]
     except Exception as failure:
         _say(f"Cython could not translate the hot modules ({failure}); installing pure Python")
         return []
+
+
+def _forget_stale_translations() -> None:
+    """Delete the generated C of each hot module whose source or declarations changed since the last in-place
+    build (all of it when there is no record). Cython translates again only when a file it knows of is newer
+    than its C, so a deleted ``.pxd`` would otherwise leave C translated with the declarations gone."""
+    try:
+        recorded = json.loads((ROOT / "kvblocks" / native.BUILD_RECORD).read_text())["sources"]
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = {}
+    for module in MODULES:
+        if not isinstance(recorded, dict) or recorded.get(module) != native.source_digest(_source(module)):
+            ROOT.joinpath("build", "cython", *module.split(".")).with_suffix(".c").unlink(missing_ok=True)
 
 
 def _placeholders() -> list:  # type: ignore[type-arg]

@@ -67,7 +67,6 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvblocks.core.prefix_tree",
     "kvblocks.core.sequence",
     "kvblocks.core.step",
-    "kvblocks.core.timed_tree",
     "kvblocks.hashing.hasher",
     "kvblocks.hashing.schemes",
     "kvblocks.hashing.tokens",

@@ -44,6 +44,7 @@ from kvblocks.errors import (
     ConfigError,
     DoubleFreeError,
     DuplicateSequenceError,
+    IntegrityError,
     InvalidArgumentError,
     InvalidTokenError,
     SequenceStateError,
@@ -546,7 +547,10 @@ class KVCacheManager(GroupCalls, TierCalls):
     def block_lifetimes(self) -> BlockLifetimes:
         """Histograms of evicted device blocks' lifetime (allocation to eviction) and idle time (last release to
         eviction), in seconds of ``pool.clock``. Live objects: read them, do not change them."""
-        return self._tree.lifetimes
+        lifetimes = self._tree.lifetimes
+        if lifetimes is None:  # pragma: no cover - the full group's tree always records them
+            raise IntegrityError("the device tree records no block lifetimes")
+        return lifetimes
 
     def check_integrity(self) -> None:
         """Raise :class:`IntegrityError` on any broken invariant of the groups, the tiers, the sequences or the

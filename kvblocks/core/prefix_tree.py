@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import islice
 
+from kvblocks.accounting import BlockLifetimes
 from kvblocks.core.pool import BlockPool
 from kvblocks.errors import (
     IntegrityError,
@@ -89,6 +90,7 @@ class PrefixTree:
         "block_size",
         "group",
         "group_kind",
+        "lifetimes",
         "num_evicted",
         "pool",
         "tier",
@@ -103,11 +105,14 @@ class PrefixTree:
         group: int | None = None,
         group_kind: str | None = None,
         block_size: int | None = None,
+        lifetimes: BlockLifetimes | None = None,
     ) -> None:
         """``group`` / ``group_kind`` tag every event this tree emits: the full-attention group of a hybrid
         model's manager is group 0 of kind ``"full"``; both None (a single-group cache) leave events untagged.
         ``block_size`` (tokens per block) goes into its ``BlockStored`` events, and lets :meth:`insert`
-        give them the blocks' token ids."""
+        give them the blocks' token ids. ``lifetimes`` records how long the blocks it evicts lived and sat idle
+        (the device tree's; it costs nothing off the eviction path: the policy hands over the victims' idle
+        stamps as it drops them)."""
         if not is_group_tag(group, group_kind):
             raise InvalidArgumentError(
                 f"group must be an int >= 0 and group_kind one of {', '.join(EVENT_GROUP_KINDS)}, both or neither; "
@@ -132,6 +137,7 @@ class PrefixTree:
         self._stored = partial(stored_event, tier, group, group_kind, block_size)
         self._stored_range = partial(stored_range_event, tier, group, group_kind, block_size)
         self._removed = partial(removed_event, tier, group, group_kind)
+        self.lifetimes = lifetimes
         self.num_evicted = 0
         """Blocks evicted since construction (a counter, never reset)."""
         self._tokens_of: list[bytes | None] | None = None  # per block, its token ids (keep_token_ids)
@@ -405,7 +411,15 @@ class PrefixTree:
             raise InvalidArgumentError(f"cannot evict {count!r} blocks")
         # package-private: the tree is the pool's content index. The policy drops the victims from the
         # idle set and unlinks each from its parent's child count (a parent may follow its last child).
-        evicted = self._victims(count)
+        pool = self.pool
+        lifetimes = self.lifetimes
+        if lifetimes is None:
+            evicted = pool._policy.victims(count, self._num_children, self._parent_of)
+        else:
+            stamps: list[float] = []  # when each victim became idle
+            evicted = pool._policy.victims(count, self._num_children, self._parent_of, stamps)
+            if evicted and not lifetimes.passes_over(len(evicted)):
+                lifetimes.observe(pool.clock(), pool._taken_at, zip(evicted, stamps), len(evicted))
         block_of = self._block_of
         hash_of = self._hash_of
         events = self._events
@@ -429,18 +443,13 @@ class PrefixTree:
         if tokens_of is not None:
             for b in evicted:
                 tokens_of[b] = None
-        self.pool._fresh.extend(evicted)
+        pool._fresh.extend(evicted)
         self.num_evicted += len(evicted)
         if evicted and events is not None:
             # our own list when the caller gave none (nobody changes it later), else the batch's part of theirs
             mine = removed if removed_hashes is None else removed[-len(evicted) :]  # type: ignore[index]
             events.record(self._removed, mine)
         return evicted
-
-    def _victims(self, count: int) -> list[int]:
-        """The policy's choice of up to ``count`` idle leaves, dropped from the idle set (a subclass may ask
-        for more: their idle stamps)."""
-        return self.pool._policy.victims(count, self._num_children, self._parent_of)
 
     def clear(self) -> list[int]:
         """Drop every cached block; all must be idle. Returns the dropped ids. Emits ``AllBlocksCleared``."""

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
+from kvblocks.accounting import BlockLifetimes
 from kvblocks.config import CacheConfig
 from kvblocks.core.groups.sources import GroupTiers, take_blocks
 from kvblocks.core.pool import BlockPool
+from kvblocks.core.prefix_tree import PrefixTree
 from kvblocks.core.sequence import _Sequence
-from kvblocks.core.timed_tree import _TimedTree
 from kvblocks.errors import IntegrityError
 from kvblocks.events import EventSink
 from kvblocks.hashing import BlockHash, HashedTokens
@@ -44,7 +45,10 @@ class FullAttentionGroup:
         self.caching = config.enable_prefix_caching
         self.pool = BlockPool(config.num_blocks, eviction=config.eviction)
         group, kind = tag
-        self.tree = _TimedTree(self.pool, events=events, group=group, group_kind=kind, block_size=config.block_size)
+        lifetimes = BlockLifetimes()
+        self.tree = PrefixTree(
+            self.pool, events=events, group=group, group_kind=kind, block_size=config.block_size, lifetimes=lifetimes
+        )
         self.tiers: GroupTiers | None = None
 
     def take(self, count: int) -> list[int]:

@@ -100,10 +100,7 @@ def test_chunked_prefill_through_step() -> None:
     ],
 )
 def test_bad_input_anywhere_raises_before_anything_changes(bad) -> None:
-    m = KVCacheManager(num_blocks=16, block_size=B)
-    running(m, "a", list(range(5)))
-    running(m, "b", list(range(50, 55)))
-    m.add_sequence("w", [9, 9])
+    m, untouched = two_running(), two_running()
     before = snapshot(m)
     with pytest.raises(
         (
@@ -116,6 +113,18 @@ def test_bad_input_anywhere_raises_before_anything_changes(bad) -> None:
     ):
         bad(m)
     assert snapshot(m) == before
+    # nothing of the refused batch lingers (its per-step plan and marks): a sound batch steps as it would have
+    assert m.step(["a", "b"], [5, 5], [[1], [2]]) == untouched.step(["a", "b"], [5, 5], [[1], [2]]) == []
+    assert snapshot(m) == snapshot(untouched)
+
+
+def two_running() -> KVCacheManager:
+    """Sequences "a" and "b" decoding (5 tokens each, committed), "w" registered but not admitted."""
+    m = KVCacheManager(num_blocks=16, block_size=B)
+    running(m, "a", list(range(5)))
+    running(m, "b", list(range(50, 55)))
+    m.add_sequence("w", [9, 9])
+    return m
 
 
 def test_a_sequence_that_cannot_get_its_slots_is_returned_with_nothing_changed() -> None:

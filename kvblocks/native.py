@@ -55,6 +55,7 @@ BUILD_RECORD = "_native_build.json"
 
 COMPILED_MODULES: tuple[str, ...] = (
     "kvblocks.accounting",
+    "kvblocks.attention.step_metadata",
     "kvblocks.core.admission",
     "kvblocks.core.coordinator",
     "kvblocks.core.eviction",

@@ -41,7 +41,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvblocks.backends._torch import torch
-from kvblocks.core.manager import KVCacheManager, _Sequence
+from kvblocks.core.manager import KVCacheManager
+from kvblocks.core.sequence import _Sequence
 from kvblocks.errors import InvalidArgumentError, SequenceStateError
 
 __all__ = ["PAD", "StepMetadata", "StepMetadataBuilder"]
@@ -132,7 +133,10 @@ class _Group:
             wider[:, : rows.shape[1]] = rows
             self.rows = rows = wider
         if count > done and (done == 0 or table[done - 1] == self.last[row]):
-            rows[row, done:count] = table[done:count]
+            if count == done + 1:  # one id appended (a decoding sequence's new block): an item, not a slice
+                rows[row, done] = table[done]
+            else:
+                rows[row, done:count] = table[done:count]
         elif count != done or (count and table[-1] != self.last[row]):
             rows[row, :count] = table
             rows[row, count:done] = PAD
@@ -226,45 +230,7 @@ class StepMetadataBuilder:
     def _collect(
         self, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int]
     ) -> tuple[list[int], list[int], list[int]]:
-        seqs = self._manager._seqs
-        row_of = self._row_of
-        owner = self._owner
-        full = self._full
-        copied = full.copied
-        last = full.last
-        locals_ = [(g, g.local.tables, g.local.released, g.copied, g.last, g.cleared) for g in self._locals]
-        rows: list[int] = []
-        starts: list[int] = []
-        queries: list[int] = []
-        for seq_id, query in zip(seq_ids, num_new_tokens, strict=True):
-            s = seqs.get(seq_id)
-            if s is None or s.table is None:
-                self._refuse(seq_id)
-            table: list[int] = s.table  # type: ignore[union-attr,assignment]
-            if type(query) is not int or query < 1:
-                query = _query_length(seq_id, query)
-            start = s.num_committed  # type: ignore[union-attr]
-            if start + query > s.num_covered + s.lookahead:  # type: ignore[union-attr]
-                raise InvalidArgumentError(
-                    f"sequence {seq_id!r}: {query} new tokens after the {start} computed need "
-                    f"{start + query} slots; the manager allocated {s.num_covered + s.lookahead}"  # type: ignore[union-attr]
-                )
-            row = row_of.get(seq_id)
-            if row is None or owner[row] is not table:
-                row = self._assign(seq_id, s, row)  # type: ignore[arg-type]
-            elif len(table) != copied[row] or table[-1] != last[row]:
-                full.sync(row, table, ())
-            if locals_:
-                key = id(s)
-                for group, tables, released, done, ends, cleared in locals_:
-                    local_table = tables[key]
-                    gone = released[key]
-                    if len(local_table) != done[row] or local_table[-1] != ends[row] or gone is not cleared[row]:
-                        group.sync(row, local_table, gone)
-            rows.append(row)
-            starts.append(start)
-            queries.append(query)
-        return rows, starts, queries
+        return _collect_rows(self, seq_ids, num_new_tokens)
 
     def _refuse(self, seq_id: Hashable) -> None:
         self._manager._get(seq_id)  # raises the precise error for an unknown sequence
@@ -358,6 +324,52 @@ class StepMetadataBuilder:
         if self._device.type == "cpu":
             return host
         return host.to(self._device, non_blocking=True)
+
+
+def _collect_rows(
+    builder: StepMetadataBuilder, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """Per sequence (the hot loop, typed in the compiled build: step_metadata.pxd): its row, brought up to date
+    with its tables, its committed line and its query length."""
+    seqs = builder._manager._seqs
+    row_of = builder._row_of
+    owner = builder._owner
+    full = builder._full
+    copied = full.copied
+    last = full.last
+    locals_ = [(g, g.local.tables, g.local.released, g.copied, g.last, g.cleared) for g in builder._locals]
+    rows: list[int] = []
+    starts: list[int] = []
+    queries: list[int] = []
+    for seq_id, query in zip(seq_ids, num_new_tokens, strict=True):
+        s = seqs.get(seq_id)
+        if s is None or s.table is None:
+            builder._refuse(seq_id)
+        table: list[int] = s.table  # type: ignore[union-attr,assignment]
+        if type(query) is not int or query < 1:
+            query = _query_length(seq_id, query)
+        start = s.num_committed  # type: ignore[union-attr]
+        if start + query > s.num_covered + s.lookahead:  # type: ignore[union-attr]
+            raise InvalidArgumentError(
+                f"sequence {seq_id!r}: {query} new tokens after the {start} computed need "
+                f"{start + query} slots; the manager allocated {s.num_covered + s.lookahead}"  # type: ignore[union-attr]
+            )
+        row = row_of.get(seq_id)
+        if row is None or owner[row] is not table:
+            row = builder._assign(seq_id, s, row)  # type: ignore[arg-type]
+        elif len(table) != copied[row] or table[-1] != last[row]:
+            full.sync(row, table, ())
+        if locals_:
+            key = id(s)
+            for group, tables, released, done, ends, cleared in locals_:
+                local_table = tables[key]
+                gone = released[key]
+                if len(local_table) != done[row] or local_table[-1] != ends[row] or gone is not cleared[row]:
+                    group.sync(row, local_table, gone)
+        rows.append(row)
+        starts.append(start)
+        queries.append(query)
+    return rows, starts, queries
 
 
 def _query_length(seq_id: Hashable, query: object) -> int:

@@ -115,6 +115,9 @@ def _gapped_stream(gaps: int, sockets: list[Any]) -> tuple[tuple[Any, EventConsu
     ctx = zmq.Context.instance()
     pub, silent = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     sockets.extend([pub, silent])
+    # no send high-water mark: a PUB drops what does not fit its queue (1,000 by default), and 1,000 gaps sent at
+    # once lost one now and then on a loaded machine; unbounded, they wait for the SUB to take them
+    pub.setsockopt(zmq.SNDHWM, 0)
     pub.bind("tcp://127.0.0.1:*")
     silent.bind("tcp://127.0.0.1:*")
     sub = zmq_events.ZmqEventSubscriber(

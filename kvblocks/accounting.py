@@ -76,6 +76,22 @@ class CachedTokens:
                 f"exceed the prompt's {self.num_prompt_tokens} tokens"
             )
 
+    @classmethod
+    def counted(cls, device: int, num_prompt_tokens: int, host: int = 0, storage: int = 0) -> CachedTokens:
+        """Counts the cache computed itself (ints >= 0, their sum within the prompt), taken as they are: what an
+        admission and a lookup return, without the checks that guard values from outside (a third the time).
+
+        >>> CachedTokens.counted(16, 100) == CachedTokens(16, num_prompt_tokens=100)
+        True
+        """
+        tokens = object.__new__(cls)
+        assign = object.__setattr__  # the class is frozen
+        assign(tokens, "device", device)
+        assign(tokens, "host", host)
+        assign(tokens, "storage", storage)
+        assign(tokens, "num_prompt_tokens", num_prompt_tokens)
+        return tokens
+
     @property
     def total(self) -> int:
         return self.device + self.host + self.storage

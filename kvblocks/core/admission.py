@@ -91,7 +91,7 @@ class Admission:
         prompt = s.content.num_tokens
         tiers = self._tiers
         if tiers is None:
-            return CachedTokens(device=self.match_length(s) * size, num_prompt_tokens=prompt)
+            return CachedTokens.counted(self.match_length(s) * size, prompt)
         hit, _, host, loads = self._tier_hit(tiers, s, None, None, blocks=False)
         device = hit - len(host) - loads
         return CachedTokens(device * size, len(host) * size, loads * size, num_prompt_tokens=prompt)

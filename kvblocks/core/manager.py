@@ -384,7 +384,7 @@ class KVCacheManager(GroupCalls, TierCalls):
         copies = admission.take(s, hit, n, k, beside)
         hits, _, host, loads = hit
         if not host and not loads and (beside is None or not any(copies)):
-            cached = CachedTokens(device=hits * self._block_size, num_prompt_tokens=s.content.num_tokens)
+            cached = CachedTokens.counted(hits * self._block_size, s.content.num_tokens)
             self._admitted(seq_id, cached, s.preempted)
             return s.view
         return admission.pend(seq_id, s, hit, copies)

@@ -113,8 +113,10 @@ def _forget_stale_translations() -> None:
         recorded = json.loads((ROOT / "kvblocks" / native.BUILD_RECORD).read_text())["sources"]
     except (OSError, ValueError, KeyError, TypeError):
         recorded = {}
+    if not isinstance(recorded, dict):
+        recorded = {}
     for module in MODULES:
-        if not isinstance(recorded, dict) or recorded.get(module) != native.source_digest(_source(module)):
+        if recorded.get(module) != native.source_digest(_source(module)):
             ROOT.joinpath("build", "cython", *module.split(".")).with_suffix(".c").unlink(missing_ok=True)
 
 

@@ -218,19 +218,14 @@ class StepMetadataBuilder:
         count = len(seq_ids)
         if len(num_new_tokens) != count:
             raise InvalidArgumentError(f"num_new_tokens has {len(num_new_tokens)} entries for {count} sequences")
-        rows, starts, queries = self._collect(seq_ids, num_new_tokens)
+        rows, starts, queries = _collect_rows(self, seq_ids, num_new_tokens)
         if len(set(rows)) != count:
             raise InvalidArgumentError("a sequence appears twice in one step")
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free again
         return self._assemble(rows, starts, queries)
 
-    # ------------------------------------------------------------------ per sequence (the hot loop)
-
-    def _collect(
-        self, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int]
-    ) -> tuple[list[int], list[int], list[int]]:
-        return _collect_rows(self, seq_ids, num_new_tokens)
+    # ------------------------------------------------------------------ per sequence (the hot loop: _collect_rows)
 
     def _refuse(self, seq_id: Hashable) -> None:
         self._manager._get(seq_id)  # raises the precise error for an unknown sequence

@@ -28,7 +28,7 @@ import kvblocks.hashing
 import kvblocks.hybrid
 import kvblocks.routing
 from kvblocks import native
-from tests.support.side_by_side import load_pure
+from tests.support.side_by_side import TORCH_MODULES, load_pure, outcome
 
 PRELOAD = ("kvblocks.routing", "kvblocks.events", "kvblocks.hybrid")
 COMPILED = native.status().compiled
@@ -45,8 +45,6 @@ def test_the_build_is_compiled_where_ci_requires_it() -> None:
     assert state.implementation == "compiled", str(state)
 
 
-# hot modules that import an extra, loaded on first use (the step-metadata builder imports torch)
-TORCH_MODULES = ("kvblocks.attention.step_metadata",)
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
@@ -58,25 +56,6 @@ def test_the_pure_copy_runs_every_hot_module_from_source() -> None:
         assert str(pure[name].__file__).endswith(".py"), name
         assert pure[name] is not kvblocks.__dict__.get(name)
     assert pure["kvblocks"].KVCacheManager is not kvblocks.KVCacheManager
-
-
-def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
-    """What a call did, comparable across the two copies: its result's repr, or its error's class and message."""
-    try:
-        return "ok", normal(call())
-    except Exception as error:
-        return type(error).__name__, str(error)
-
-
-def normal(value: Any) -> Any:
-    """Plain data (lists, tuples, ints, strings) from what kvblocks returns, so two copies' results compare."""
-    if isinstance(value, (list, tuple)):
-        return [normal(v) for v in value]
-    if isinstance(value, dict):
-        return {repr(k): normal(v) for k, v in value.items()}
-    if value is None or isinstance(value, (int, float, str, bytes, bool)):
-        return value
-    return repr(value)
 
 
 SEQ_IDS = [f"r{i}" for i in range(5)]

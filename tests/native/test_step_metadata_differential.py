@@ -17,8 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 import kvblocks  # noqa: E402
 import kvblocks.attention.step_metadata  # noqa: E402
 from kvblocks import native  # noqa: E402
-from tests.native.test_differential import PRELOAD, TORCH_MODULES, outcome  # noqa: E402
-from tests.support.side_by_side import load_pure  # noqa: E402
+from tests.support.side_by_side import TORCH_MODULES, load_pure, outcome  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not native.status().compiled, reason="nothing compiled: the pure and the compiled kvblocks are the same code"
@@ -95,7 +94,7 @@ class Side:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ACTIONS)
 def test_every_build_gives_the_same_tensors_compiled_and_pure(actions: list[tuple[str, int, int]]) -> None:
-    pure = load_pure(PRELOAD + TORCH_MODULES)
+    pure = load_pure(TORCH_MODULES)
     compiled = {"kvblocks": kvblocks, "kvblocks.attention.step_metadata": kvblocks.attention.step_metadata}
     assert pure["kvblocks.attention.step_metadata"] is not compiled["kvblocks.attention.step_metadata"]
     a, b = Side(pure), Side(compiled)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
+from typing import Any
 
 from kvblocks import native
 
@@ -77,3 +78,26 @@ def _pure_python(on: bool) -> Iterator[None]:
 
 def _ours(name: str) -> bool:
     return name == "kvblocks" or name.startswith("kvblocks.")
+
+
+# hot modules that import an extra, loaded on first use (the step-metadata builder imports torch)
+TORCH_MODULES = ("kvblocks.attention.step_metadata",)
+
+
+def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+    """What a call did, comparable across the two copies: its result's repr, or its error's class and message."""
+    try:
+        return "ok", normal(call())
+    except Exception as error:
+        return type(error).__name__, str(error)
+
+
+def normal(value: Any) -> Any:
+    """Plain data (lists, tuples, ints, strings) from what kvblocks returns, so two copies' results compare."""
+    if isinstance(value, (list, tuple)):
+        return [normal(v) for v in value]
+    if isinstance(value, dict):
+        return {repr(k): normal(v) for k, v in value.items()}
+    if value is None or isinstance(value, (int, float, str, bytes, bool)):
+        return value
+    return repr(value)

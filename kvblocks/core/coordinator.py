@@ -187,8 +187,9 @@ class GroupCoordinator:
             copies.append(group.take_admission(key, ask, answer[1]))
         return copies
 
-    def grow(self, s: _Sequence, covered: int, lookahead: int) -> bool:
-        """Give admitted ``s`` slots for ``covered`` tokens plus ``lookahead`` drafts, or change nothing (False).
+    def grow(self, s: _Sequence, covered: int, lookahead: int, checked: bool = False) -> bool:
+        """Give admitted ``s`` slots for ``covered`` tokens plus ``lookahead`` drafts, or change nothing (False);
+        ``checked``: the caller found the room (:meth:`room_to_grow`), which nothing has taken since.
 
         Blocks beyond what that needs (a smaller lookahead than before) go back to the pool: they
         lie past every committed and every allocated token, so nothing in them is cached.
@@ -200,8 +201,9 @@ class GroupCoordinator:
         need = (covered + lookahead + size - 1) // size - len(table)
         if need > 0:
             pool = self.full.pool
-            if need > len(pool._fresh) + len(pool._idle) or (
-                self.locals and self.growth_short(id(s), len(table) + need) > 0
+            if not checked and (
+                need > len(pool._fresh) + len(pool._idle)
+                or (self.locals and self.growth_short(id(s), len(table) + need) > 0)
             ):
                 return False  # room_to_grow, inlined: this runs once per block a decoding sequence fills
             table += pool.take_fresh(need) if need <= len(pool._fresh) else self.full.take(need)
@@ -228,13 +230,19 @@ class GroupCoordinator:
 
     def growth_short(self, key: int, total: int) -> int:
         """The most blocks a local group lacks to grow a sequence's tables to ``total`` chain blocks. Pure."""
-        return max((local.growth_short(key, total) for local in self.locals), default=0)
+        locals_ = self.locals
+        if len(locals_) == 1:  # the common hybrid model: one window group (no generator per block filled)
+            return locals_[0].growth_short(key, total)
+        return max((local.growth_short(key, total) for local in locals_), default=0)
 
     # ------------------------------------------------------------------ commit and release
 
     def committed(self, key: int, hashes: Sequence[BlockHash], before: int, n: int, cache: bool) -> int:
         """Every group's part of a commit from ``before`` to ``n`` tokens; returns the token count at which a
         window may next move (a commit reaching it must reach :meth:`committed` again)."""
+        locals_ = self.locals
+        if len(locals_) == 1 and not self.recurrents:  # the common hybrid model: one window group, which says it
+            return locals_[0].committed(key, hashes, before, n, cache)
         for group in self.committing:
             group.committed(key, hashes, before, n, cache)
         return self.next_move(n)

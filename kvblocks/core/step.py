@@ -172,7 +172,7 @@ def run_step(
                 s.num_covered = covered
                 s.lookahead = k
             else:
-                groups.grow(s, covered, k)  # fits: checked above, pins included
+                groups.grow(s, covered, k, True)  # fits: checked above, pins included
     return failed
 
 

@@ -377,9 +377,10 @@ class LocalGroupManager:
 
     # ------------------------------------------------------------------ commit and release
 
-    def committed(self, key: int, hashes: Sequence[BlockHash], before: int, n: int, cache: bool) -> None:
+    def committed(self, key: int, hashes: Sequence[BlockHash], before: int, n: int, cache: bool) -> int:
         """The sequence committed from ``before`` to ``n`` tokens: cache its newly full blocks (when ``cache``),
-        then release what no token from ``n`` on attends to (cached if committed)."""
+        then release what no token from ``n`` on attends to (cached if committed). Returns :meth:`next_move`
+        ``(n)``: the commit that may release more."""
         table = self.tables[key]
         gone = self.released[key]
         kind = self.kind
@@ -411,6 +412,7 @@ class LocalGroupManager:
         tiers = self.tiers
         if cache and tiers is not None and tiers.writes_through:
             tiers.written(self.index.block_of, self.keys(hashes), before // size, n // size)
+        return kind.next_move(n, size, self.span)
 
     def _release_more(self, key: int, table: list[int], gone: Positions, now: Positions) -> None:
         """Release the positions of ``now`` not in ``gone`` (cached blocks stay findable, idle)."""

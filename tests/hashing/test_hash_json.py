@@ -59,3 +59,12 @@ wire_values = st.one_of(
 def test_the_batch_check_of_wire_counts_equals_checking_each_value(values: tuple[object, ...], lowest: int) -> None:
     each = all(type(v) is int and lowest <= v <= MAX_INT for v in values)
     assert _are_wire_counts(values, lowest) is each
+
+
+def test_a_packed_run_longer_than_what_struct_cuts_decodes_the_same() -> None:
+    from kvblocks.hashing.encoding import _CUT_IN_C
+
+    for count in (_CUT_IN_C, _CUT_IN_C + 1):
+        data = bytes(range(256)) * (count * 2 // 256 + 1)
+        data = data[: count * 2]
+        assert hashes_from_json(f"2:{data.hex()}") == tuple(data[k : k + 2] for k in range(0, len(data), 2))

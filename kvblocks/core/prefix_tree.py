@@ -280,9 +280,9 @@ class PrefixTree:
                 f"insert range [{start}, {stop}) does not fit {len(hashes)} hashes and {len(blocks)} blocks"
             )
         block_of = self._block_of
-        if stop - start == 1 and start and self._events is None and self._tokens_of is None:
-            # A decode's commit: one block after a cached parent, nothing to emit. The checks of the loop below,
-            # in one pass; anything unusual takes the general path, which names the problem.
+        if stop - start == 1 and start and self._tokens_of is None:
+            # A decode's commit: one block after a cached parent. The checks of the loop below, in one pass;
+            # anything unusual takes the general path, which names the problem.
             h = hashes[start]
             b = blocks[start]
             kind = type(h)
@@ -297,6 +297,8 @@ class PrefixTree:
                         self._hash_of[b] = h
                         self._parent_of[b] = parent_block
                         self._num_children[parent_block] += 1
+                        if self._events is not None:
+                            self._emit_stored(self._events, hashes, start, stop, tokens, lora_name, lora_id, stable)
                         return []
         parent = self._root
         if start > 0:
@@ -346,17 +348,31 @@ class PrefixTree:
         if tokens_of is not None:
             self._keep_tokens(tokens_of, tokens, blocks, first_new, stop)
         if self._events is not None:
-            lora = lora_name if lora_id is None else (lora_name, lora_id)
-            if stable:
-                self._events.record(self._stored_range, hashes, first_new, stop, tokens, lora)
-                return existing
-            parent_hash = hashes[first_new - 1] if first_new > 0 else None
-            size = self.block_size
-            token_ids = None if tokens is None or size is None else tokens[first_new * size : stop * size]
-            if type(token_ids) is array and token_ids.typecode == "I":  # its bytes: nothing the GC tracks
-                token_ids = token_ids.tobytes()
-            self._events.record(self._stored, hashes[first_new:stop], parent_hash, token_ids, lora)
+            self._emit_stored(self._events, hashes, first_new, stop, tokens, lora_name, lora_id, stable)
         return existing
+
+    def _emit_stored(
+        self,
+        events: EventSink,
+        hashes: Sequence[BlockHash],
+        first: int,
+        stop: int,
+        tokens: Sequence[int] | None,
+        lora_name: str | None,
+        lora_id: int | None,
+        stable: bool,
+    ) -> None:
+        """Record the ``BlockStored`` of the blocks just inserted at ``[first, stop)`` (see :meth:`insert`)."""
+        lora = lora_name if lora_id is None else (lora_name, lora_id)
+        if stable:
+            events.record(self._stored_range, hashes, first, stop, tokens, lora)
+            return
+        parent_hash = hashes[first - 1] if first > 0 else None
+        size = self.block_size
+        token_ids = None if tokens is None or size is None else tokens[first * size : stop * size]
+        if type(token_ids) is array and token_ids.typecode == "I":  # its bytes: nothing the GC tracks
+            token_ids = token_ids.tobytes()
+        events.record(self._stored, hashes[first:stop], parent_hash, token_ids, lora)
 
     def _keep_tokens(
         self, tokens_of: list[bytes | None], tokens: Sequence[int] | None, blocks: Sequence[int], first: int, stop: int

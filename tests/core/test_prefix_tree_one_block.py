@@ -1,6 +1,6 @@
-"""``PrefixTree.insert`` of one block after a cached parent (a decode's commit) takes a short path when the tree
-emits nothing: every outcome -- the blocks it returns, the error it raises, the tree it leaves -- must be the
-general path's, which a tree with an event sink always takes."""
+"""``PrefixTree.insert`` of one block after a cached parent (a decode's commit) takes a short path unless the tree
+keeps token ids: every outcome -- the blocks it returns, the error it raises, the tree it leaves, the event it
+records -- must be the general path's, which a tree that keeps token ids always takes."""
 
 from __future__ import annotations
 
@@ -10,18 +10,26 @@ from hypothesis import strategies as st
 
 from kvblocks.core.pool import BlockPool
 from kvblocks.core.prefix_tree import PrefixTree
-from kvblocks.events import EventSink
+from kvblocks.events import BlockStored, EventSink
 
 N = 8
 CHAIN = [bytes([i]) * 16 for i in range(6)]
 
 
-def _tree(events: bool) -> tuple[PrefixTree, list[int]]:
+def _tree(events: bool, general: bool = False) -> tuple[PrefixTree, list[int]]:
+    """``general``: a tree that keeps token ids, so that every insert takes the general path."""
     pool = BlockPool(N)
     tree = PrefixTree(pool, events=EventSink() if events else None, block_size=4)
+    if general:
+        tree.keep_token_ids()
     blocks = pool.take_fresh(4)
     tree.insert(CHAIN, blocks, 0, 3)  # blocks 0..2 cached under CHAIN[0..2]; block 3 held, not cached
     return tree, blocks
+
+
+def _recorded(tree: PrefixTree) -> list[object]:
+    sink = tree.events
+    return [] if sink is None else [record.event for record in sink.drain()]
 
 
 def _state(tree: PrefixTree) -> tuple[object, ...]:
@@ -43,8 +51,9 @@ def _outcome(tree: PrefixTree, hashes: list[object], blocks: list[object], start
 )
 def test_one_block_inserts_end_as_the_general_path_ends(start: int, block: object, hash_kind: str) -> None:
     results = []
-    for events in (False, True):
-        tree, held = _tree(events)
+    for events, general in ((False, False), (True, False), (False, True), (True, True)):
+        tree, held = _tree(events, general)
+        _recorded(tree)  # the set-up's event
         hashes: list[object] = list(CHAIN)
         if hash_kind == "cached":
             hashes[start] = CHAIN[1]
@@ -56,9 +65,31 @@ def test_one_block_inserts_end_as_the_general_path_ends(start: int, block: objec
             hashes[start] = "h"
         blocks: list[object] = [*held, 4, 5][: len(hashes)]
         blocks[start] = block
-        results.append((_outcome(tree, hashes, blocks, start), _state(tree)))
+        outcome = _outcome(tree, hashes, blocks, start)
+        results.append((outcome, _state(tree)))
         tree.check_integrity()
-    assert results[0] == results[1]
+        if events:
+            results.append(_recorded(tree))
+    short, short_events, general_path, general_events = results[0], results[1:3], results[3], results[4:]
+    assert short == short_events[0] == general_path == general_events[0]
+    assert short_events[1] == general_events[1]  # the same event, or none
+
+
+@pytest.mark.parametrize("stable", [False, True])
+def test_a_decode_commit_records_the_event_the_general_path_records(stable: bool) -> None:
+    tokens = list(range(100, 120))
+    recorded = []
+    for general in (False, True):
+        tree, held = _tree(True, general)
+        _recorded(tree)
+        assert tree.insert(CHAIN, held, 3, 4, tokens=tokens, lora_name="a", lora_id=7, stable=stable) == []
+        recorded.append(_recorded(tree))
+    assert recorded[0] == recorded[1]
+    (event,) = recorded[0]
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == (CHAIN[3],) and event.parent_hash == CHAIN[2]
+    assert event.token_ids is not None and list(event.token_ids) == tokens[12:16]
+    assert (event.lora_name, event.lora_id) == ("a", 7)
 
 
 def test_a_decode_commit_links_the_block_under_its_parent() -> None:

@@ -79,6 +79,11 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvblocks.routing.interned",
     "kvblocks.routing.router",
     "kvblocks.routing.table",
+    "kvblocks.tiers.host",
+    "kvblocks.tiers.pending",
+    "kvblocks.tiers.stack",
+    "kvblocks.tiers.tiering",
+    "kvblocks.core.manager_tiers",
 )
 """The modules the build compiles (setup.py reads this tuple), in no particular order.
 

@@ -27,6 +27,7 @@ import kvblocks.events
 import kvblocks.hashing
 import kvblocks.hybrid
 import kvblocks.routing
+import kvblocks.tiers
 from kvblocks import native
 from tests.support.side_by_side import TORCH_MODULES, load_pure, outcome
 
@@ -68,6 +69,7 @@ class TwinManagers(RuleBasedStateMachine):
 
     hybrid = False
     eviction = "lru"
+    tiered = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -79,13 +81,19 @@ class TwinManagers(RuleBasedStateMachine):
     @initialize()
     def build(self) -> None:
         for mods in (
-            {"kvblocks": kvblocks, "kvblocks.events": kvblocks.events, "kvblocks.hybrid": kvblocks.hybrid},
+            {
+                "kvblocks": kvblocks,
+                "kvblocks.events": kvblocks.events,
+                "kvblocks.hybrid": kvblocks.hybrid,
+                "kvblocks.tiers": kvblocks.tiers,
+            },
             self.pure,
         ):
             sink = mods["kvblocks.events"].EventSink()
             groups = (mods["kvblocks.hybrid"].LocalGroup("sliding_window", 6, 8),) if self.hybrid else ()
+            tiers = mods["kvblocks.tiers"].TierConfig(num_host_blocks=6) if self.tiered else None
             manager = mods["kvblocks"].KVCacheManager(
-                num_blocks=10, block_size=4, event_sink=sink, eviction=self.eviction, groups=groups
+                num_blocks=10, block_size=4, event_sink=sink, eviction=self.eviction, groups=groups, tiers=tiers
             )
             self.sides.append(manager)
             self.sinks.append(sink)
@@ -116,10 +124,31 @@ class TwinManagers(RuleBasedStateMachine):
             kwargs["num_cached_tokens"] = cached[1]
         self.both(lambda m: m.allocate(seq, n, **kwargs))
 
+    def sound_commit(self, seq: str, appended: int = 0) -> st.SearchStrategy[int]:
+        """A commit the compiled side would take (when the sequence is admitted), or any count."""
+        manager = self.sides[0]
+        if seq not in manager or not manager.is_admitted(seq):
+            return st.integers(0, 40)
+        low = manager.num_computed_tokens(seq)
+        high = min(manager.num_allocated_tokens(seq), manager.num_tokens(seq) + appended)
+        return st.integers(low, high) | st.integers(0, 40) if low <= high else st.integers(0, 40)
+
     @precondition(lambda self: self.active)
-    @rule(data=st.data(), n=st.integers(0, 40))
-    def commit(self, data: st.DataObject, n: int) -> None:
+    @rule(data=st.data())
+    def prefill(self, data: st.DataObject) -> None:
+        """An engine's admission: the whole prompt after the hit, then its commit (what fills the cache, so that
+        later admissions evict, and a tiered cache writes back and swaps in)."""
         seq = data.draw(st.sampled_from(sorted(self.active)))
+        cached = self.both(lambda m: m.lookup(seq).total)
+        if cached[0] == "ok":
+            self.both(lambda m: m.allocate(seq, m.num_tokens(seq) - cached[1], num_cached_tokens=cached[1]))
+        self.both(lambda m: m.commit(seq, m.num_tokens(seq)))
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data())
+    def commit(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.active)))
+        n = data.draw(self.sound_commit(seq))
         self.both(lambda m: m.commit(seq, n))
 
     @precondition(lambda self: self.active)
@@ -134,8 +163,10 @@ class TwinManagers(RuleBasedStateMachine):
         """Decode (one token), chunked prefill (a chunk), drafts (lookahead slots), or a bad entry."""
         ids = data.draw(st.lists(st.sampled_from(sorted(self.active)), min_size=1, max_size=4, unique=True))
         huge = st.sampled_from([-1, 2**63, 2**70])  # past the compiled step's 64-bit counts
-        computed = [data.draw(st.one_of(st.none(), st.integers(0, 40), huge)) for _ in ids]
         sampled = [data.draw(st.one_of(st.none(), tokens)) for _ in ids]
+        computed = [
+            data.draw(st.one_of(st.none(), self.sound_commit(i, len(t or ())), huge)) for i, t in zip(ids, sampled)
+        ]
         news = [data.draw(st.one_of(st.integers(0, 9), huge)) for _ in ids]
         drafts = [data.draw(st.one_of(st.integers(0, 3), huge)) for _ in ids]
         self.both(lambda m: m.step(ids, computed, sampled, news, drafts))
@@ -176,6 +207,49 @@ class TwinS3FifoManagers(TwinManagers):
     eviction = "s3fifo"
 
 
+class TwinTieredManagers(TwinManagers):
+    """A host tier under the device (and under the window group's): evictions plan swap-outs, host hits plan
+    swap-ins, and each plan is completed, some copies failing."""
+
+    tiered = True
+
+    @rule(data=st.data())
+    def transfers(self, data: st.DataObject) -> None:
+        plans = [manager.take_transfers() for manager in self.sides]
+        assert outcome(lambda: plans[0]) == outcome(lambda: plans[1])
+        entries = plans[0].group_transfers
+        failed_in = {g.group: [d for _, d in g.swap_ins if data.draw(st.booleans())] for g in entries}
+        failed_out = {g.group: [h for _, h in g.swap_outs if data.draw(st.booleans())] for g in entries}
+        calls = iter(plans)
+        self.both(lambda m: m.complete_transfers(next(calls), failed_swap_ins=failed_in, failed_swap_outs=failed_out))
+
+    @rule(first=st.sampled_from(PROMPTS), second=st.sampled_from(PROMPTS), extra=tokens)
+    def churn(self, first: list[int], second: list[int], extra: list[int]) -> None:
+        """Cache a prompt, push it out with another (write-backs to host), bring the first back (host hits, swap-ins
+        completed before its commit): the moves the random rules above rarely reach in a 10-block pool."""
+        for number, prompt in enumerate((first, second + extra, first)):
+            seq = f"churn{number}"
+            if self.both(lambda m, seq=seq, prompt=prompt: m.add_sequence(seq, prompt))[0] != "ok":
+                continue
+            cached = self.both(lambda m, seq=seq: m.lookup(seq).total)
+            self.both(lambda m, seq=seq, c=cached[1]: m.allocate(seq, m.num_tokens(seq) - c, num_cached_tokens=c))
+            plans = iter([manager.take_transfers() for manager in self.sides])
+            self.both(lambda m, plans=plans: m.complete_transfers(next(plans)))
+            self.both(lambda m, seq=seq: m.commit(seq, m.num_tokens(seq)))
+            self.both(lambda m, seq=seq: m.free(seq))
+
+    @invariant()
+    def same_tiers(self) -> None:
+        if self.sides:
+            self.both(lambda m: m.tier_stats)
+            for seq in sorted(self.active):
+                self.both(lambda m, seq=seq: m.is_ready(seq))
+
+
+class TwinTieredHybridManagers(TwinTieredManagers):
+    hybrid = True
+
+
 SETTINGS = settings(
     max_examples=200 if os.environ.get("CI") else 50,
     stateful_step_count=40,
@@ -188,6 +262,10 @@ TestTwinHybridManagers = TwinHybridManagers.TestCase
 TestTwinHybridManagers.settings = SETTINGS
 TestTwinS3FifoManagers = TwinS3FifoManagers.TestCase
 TestTwinS3FifoManagers.settings = SETTINGS
+TestTwinTieredManagers = TwinTieredManagers.TestCase
+TestTwinTieredManagers.settings = SETTINGS
+TestTwinTieredHybridManagers = TwinTieredHybridManagers.TestCase
+TestTwinTieredHybridManagers.settings = SETTINGS
 
 
 def router_pair(pure: dict[str, ModuleType], **config: Any) -> list[Any]:

@@ -192,7 +192,7 @@ class TwinManagers(RuleBasedStateMachine):
         for seq in sorted(self.active):
             self.both(lambda m, seq=seq: m.block_tables(seq))
             self.both(lambda m, seq=seq: (m.num_computed_tokens(seq), m.num_allocated_tokens(seq), m.block_hashes(seq)))
-        self.both(lambda m: m.stats())
+        self.both(lambda m: m.stats)
         compiled, pure = ([(r.event.__class__.__name__, repr(r.event)) for r in s.drain()] for s in self.sinks)
         assert compiled == pure
         for manager in self.sides:

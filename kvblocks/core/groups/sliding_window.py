@@ -34,12 +34,11 @@ class SlidingWindow(WindowedRules):
         return window_start(next_token, span)
 
     def first_needed(self, next_token: int, block_size: int, span: int) -> int:
-        # window_start(next_token, span) // block_size, in one call: a decoding sequence asks once per block
-        return max(0, next_token - span + 1) // block_size
+        # the base's formula, without its call to first_needed_token: a decoding sequence asks once per block
+        return window_start(next_token, span) // block_size
 
     def next_move(self, next_token: int, block_size: int, span: int) -> int:
-        # window_next_move, in one call (as first_needed)
-        return (max(0, next_token - span + 1) // block_size + 1) * block_size + span - 1
+        return window_next_move(next_token, block_size, span)
 
     def held_blocks(self, context: int, block_size: int, span: int | None) -> int:
         """At most ceil(W/B) + 1: the window rarely starts on a block boundary, and the block being

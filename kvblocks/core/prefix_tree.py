@@ -320,36 +320,50 @@ class PrefixTree:
             return existing
         if existing:
             parent = existing[-1]
-        hash_of = self._hash_of
-        parent_of = self._parent_of
-        num_children = self._num_children
-        pool = self.pool
-        ref = pool._ref  # package-private: the tree is the pool's content index
-        new_blocks = blocks[first_new:stop]
-        i = first_new - 1
         try:
-            if min(new_blocks) < 0:  # the one bad id that list indexing would not catch
-                raise IndexError
-            for i in range(first_new, stop):
-                h = hashes[i]
-                b = blocks[i]
-                # A block already a node (or given twice), a block nobody holds, a hash seen twice: refuse.
-                if hash_of[b] is not None or not ref[b] or h in block_of:
-                    raise IndexError
-                block_of[h] = b
-                hash_of[b] = h
-                parent_of[b] = parent
-                num_children[parent] += 1
-                parent = b
-        except (IndexError, TypeError):  # also what a bad block id raises
-            self._unlink(hashes, blocks, first_new, i)
-            raise self._insert_problem(hashes, blocks, first_new, max(i, first_new)) from None
+            sound = min(blocks[first_new:stop]) >= 0  # the one bad id that list indexing would not catch
+        except TypeError:
+            sound = False
+        reached = self._link(hashes, blocks, first_new, stop, parent) if sound else first_new
+        if reached < stop:
+            self._unlink(hashes, blocks, first_new, reached)
+            raise self._insert_problem(hashes, blocks, first_new, reached)
         tokens_of = self._tokens_of
         if tokens_of is not None:
             self._keep_tokens(tokens_of, tokens, blocks, first_new, stop)
         if self._events is not None:
             self._emit_stored(self._events, hashes, first_new, stop, tokens, lora_name, lora_id, stable)
         return existing
+
+    def _link(self, hashes: Sequence[BlockHash], blocks: Sequence[int], first: int, stop: int, parent: int) -> int:
+        """Link ``blocks[first:stop]`` under ``hashes[first:stop]``, each the child of the one before it (the first
+        the child of ``parent``), the ids known not to be negative. Returns ``stop``, or the first position it
+        refused: a block already a node (or given twice), a block nobody holds, a hash seen twice (or not
+        hashable), an id out of range or not an int. Positions before that one are linked (the caller unlinks
+        them)."""
+        block_of = self._block_of
+        hash_of = self._hash_of
+        parent_of = self._parent_of
+        num_children = self._num_children
+        ref = self.pool._ref  # package-private: the tree is the pool's content index
+        i = first
+        try:
+            for i in range(first, stop):
+                h = hashes[i]
+                block = blocks[i]
+                if type(block) is not int:  # a bool or a float is not a block id (the short path's rule too)
+                    return i
+                b = block
+                if hash_of[b] is not None or not ref[b] or h in block_of:
+                    return i
+                block_of[h] = b
+                hash_of[b] = h
+                parent_of[b] = parent
+                num_children[parent] += 1
+                parent = b
+        except (IndexError, TypeError, OverflowError):  # what a bad block id or hash raises (in C: an id past 2**63)
+            return i
+        return stop
 
     def _emit_stored(
         self,

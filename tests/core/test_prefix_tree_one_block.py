@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvblocks.core.pool import BlockPool
 from kvblocks.core.prefix_tree import PrefixTree
+from kvblocks.errors import InvalidBlockIdError
 from kvblocks.events import BlockStored, EventSink
 
 N = 8
@@ -25,6 +26,13 @@ def _tree(events: bool, general: bool = False) -> tuple[PrefixTree, list[int]]:
     blocks = pool.take_fresh(4)
     tree.insert(CHAIN, blocks, 0, 3)  # blocks 0..2 cached under CHAIN[0..2]; block 3 held, not cached
     return tree, blocks
+
+
+def _nodes(tree: PrefixTree) -> tuple[object, ...]:
+    """What the tree holds: its nodes, each node's parent, the child counts (a block that is no node keeps a stale
+    parent entry that nothing reads)."""
+    nodes = dict(tree._block_of)
+    return nodes, {b: tree._parent_of[b] for b in nodes.values()}, list(tree._hash_of), list(tree._num_children)
 
 
 def _recorded(tree: PrefixTree) -> list[object]:
@@ -99,3 +107,21 @@ def test_a_decode_commit_links_the_block_under_its_parent() -> None:
     assert tree.insert(CHAIN, [9, 9, 9, 5], 3, 4) == [held[3]]  # cached already: the cached block comes back
     with pytest.raises(Exception, match="not cached"):
         tree.insert([b"\xee" * 16, b"\xef" * 16], [0, 1], 1, 2)
+
+
+@pytest.mark.parametrize("bad", [True, 2.0, 2**63, 2**70, None, N])
+@pytest.mark.parametrize("position", [0, 1, 2])
+def test_an_insert_of_several_blocks_refuses_an_id_that_is_not_a_block_and_changes_nothing(
+    bad: object, position: int
+) -> None:
+    pool = BlockPool(N)
+    tree = PrefixTree(pool, block_size=4)
+    held = pool.take_fresh(3)
+    blocks: list[object] = list(held)
+    blocks[position] = bad
+    before = _nodes(tree)
+    with pytest.raises(InvalidBlockIdError, match="is not an int"):
+        tree.insert(CHAIN[:3], blocks, 0, 3)  # type: ignore[arg-type]
+    assert _nodes(tree) == before
+    tree.check_integrity()
+    assert tree.insert(CHAIN[:3], held, 0, 3) == []  # the sound insert still goes in whole

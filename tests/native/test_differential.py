@@ -18,11 +18,13 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvblocks
+import kvblocks.core.pool
+import kvblocks.core.prefix_tree
 import kvblocks.events
 import kvblocks.hashing
 import kvblocks.hybrid
@@ -359,6 +361,34 @@ def test_hashing_agrees_on_long_prompts() -> None:
         compiled = outcome(lambda scheme=scheme: kvblocks.block_hashes(tokens_, 16, scheme=scheme))
         pure_ = outcome(lambda scheme=scheme: pure["kvblocks"].block_hashes(tokens_, 16, scheme=scheme))
         assert compiled == pure_, scheme
+
+
+BLOCK_IDS = st.one_of(
+    st.integers(-2, 9), st.booleans(), st.just(2.0), st.sampled_from([2**63 - 1, 2**63, 2**70]), st.none()
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(blocks=st.lists(BLOCK_IDS, min_size=1, max_size=5), start=st.integers(0, 2))
+def test_prefix_tree_inserts_agree_on_any_block_ids(blocks: list[object], start: int) -> None:
+    """The compiled insert loop indexes with C integers: whatever the ids, it links, refuses and names the problem
+    exactly as the source does."""
+    pure = load_pure(PRELOAD)
+    chain = [bytes([i + 1]) * 16 for i in range(len(blocks))]
+    results = []
+    for tree_module, pool_module in (
+        (kvblocks.core.prefix_tree, kvblocks.core.pool),
+        (pure["kvblocks.core.prefix_tree"], pure["kvblocks.core.pool"]),
+    ):
+        pool = pool_module.BlockPool(8)
+        tree = tree_module.PrefixTree(pool, block_size=4)
+        held = pool.take_fresh(len(blocks))
+        tree.insert(chain, held, 0, min(start, len(blocks)))  # a cached parent run
+        given = [*held[:start], *blocks[start:]]
+        result = outcome(lambda tree=tree, given=given: tree.insert(chain, given))
+        tree.check_integrity()
+        results.append((result, {repr(h): b for h, b in tree._block_of.items()}))
+    assert results[0] == results[1]
 
 
 def test_the_twins_catch_a_pure_copy_that_differs() -> None:

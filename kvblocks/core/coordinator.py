@@ -92,7 +92,6 @@ class GroupCoordinator:
         first += len(recurrents)
         self.crosses = [_Cross(g, first + i, size) for i, g in enumerate(crosses)]
         self.groups: list[GroupManager] = [*self.locals, *self.recurrents, *self.crosses]  # group order, after 0
-        self.committing: list[LocalGroupManager | _Recurrent] = [*self.locals, *self.recurrents]
         self.encoder_tokens: dict[int, int] = {}  # id(sequence) -> encoder tokens, for sequences with any
         self.kinds: tuple[str, ...] = (
             "full",
@@ -240,12 +239,14 @@ class GroupCoordinator:
     def committed(self, key: int, hashes: Sequence[BlockHash], before: int, n: int, cache: bool) -> int:
         """Every group's part of a commit from ``before`` to ``n`` tokens; returns the token count at which a
         window may next move (a commit reaching it must reach :meth:`committed` again)."""
-        locals_ = self.locals
-        if len(locals_) == 1 and not self.recurrents:  # the common hybrid model: one window group, which says it
-            return locals_[0].committed(key, hashes, before, n, cache)
-        for group in self.committing:
-            group.committed(key, hashes, before, n, cache)
-        return self.next_move(n)
+        move = NEVER
+        for local in self.locals:  # each says when its window moves next (its next_move(n))
+            local_move = local.committed(key, hashes, before, n, cache)
+            if local_move < move:
+                move = local_move
+        for recurrent in self.recurrents:
+            recurrent.committed(key, hashes, before, n, cache)
+        return move
 
     def next_move(self, n: int) -> int:
         locals_ = self.locals

@@ -6,6 +6,7 @@ cdef class PrefixTree:
     cdef public object _block_of, _events, _hash_of, _num_children, _parent_of, _removed, _root, _stored
     cdef public object _stored_range, _tokens_of, block_size, group, group_kind, lifetimes, num_evicted, pool, tier
 
-    # the insert loop: ids as C integers over typed lists (what a bad id raises is the same: IndexError, TypeError)
+    # the insert loop: ids as C integers over typed lists (a bad id is refused alike: _link catches the OverflowError
+    # a C conversion raises beside IndexError and TypeError)
     @cython.locals(i=Py_ssize_t, b=Py_ssize_t, hash_of=list, parent_of=list, num_children=list, ref=list)
     cpdef Py_ssize_t _link(self, hashes, blocks, Py_ssize_t first, Py_ssize_t stop, Py_ssize_t parent) except -1

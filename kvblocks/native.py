@@ -67,6 +67,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvblocks.core.groups.sliding_window",
     "kvblocks.core.groups.sources",
     "kvblocks.core.manager",
+    "kvblocks.core.manager_tiers",
     "kvblocks.core.pool",
     "kvblocks.core.prefix_tree",
     "kvblocks.core.sequence",
@@ -83,7 +84,6 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvblocks.tiers.pending",
     "kvblocks.tiers.stack",
     "kvblocks.tiers.tiering",
-    "kvblocks.core.manager_tiers",
 )
 """The modules the build compiles (setup.py reads this tuple), in no particular order.
 
